@@ -1,0 +1,65 @@
+"""The few collectives the sharded optimizer uses, each on one flat bucket of tensors.
+
+Owns: world size and rank of a process group, the per-bucket all-gather of the step and
+the per-bucket gather of a consolidation. Each function here is collective: every rank of
+the group calls it, in the same order, with buckets of the same layout. Nothing here is
+pickled: only tensors move. With one process they do no communication.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def world_size_and_rank(group) -> Tuple[int, int]:
+    """``(world size, rank)`` in ``group``; ``(1, 0)`` when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _global_rank(group, rank: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def all_gather_bucket(bucket: torch.Tensor, shard: torch.Tensor, group, world_size: int):
+    """Start filling ``bucket`` (``world_size`` shards end to end) with every rank's
+    ``shard``, which is a view of this rank's slot in ``bucket``. Returns the work to pass
+    to :func:`wait`, or None when there is nothing to wait for.
+
+    .. warning:: Collective: call on all ranks.
+    """
+    if world_size == 1:
+        return None
+    return dist.all_gather_into_tensor(bucket, shard, group=group, async_op=True)
+
+
+def wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+def gather_shards(
+    local: torch.Tensor, shard_numel: int, recipient: int, group, world_size: int
+) -> Optional[torch.Tensor]:
+    """Gather every rank's ``local`` shard (at most ``shard_numel`` elements, padded to it)
+    on rank ``recipient`` of ``group``. Returns the ``world_size * shard_numel`` elements
+    there, shards end to end, and None elsewhere. Peak extra memory: one bucket on the
+    recipient, one shard on the others.
+
+    .. warning:: Collective: call on all ranks.
+    """
+    padded = local
+    if local.numel() != shard_numel:
+        padded = local.new_zeros(shard_numel)
+        padded[: local.numel()].copy_(local)
+    rank = dist.get_rank(group)
+    out = None
+    gather_list = None
+    if rank == recipient:
+        out = local.new_empty(world_size * shard_numel)
+        gather_list = list(out.chunk(world_size))
+    dist.gather(padded, gather_list, dst=_global_rank(group, recipient), group=group)
+    return out

@@ -1,0 +1,61 @@
+"""The fairseq optimizer ``oss_adam``: a drop-in for ``--optimizer adam``.
+
+Owns the registration with fairseq and the translation of fairseq's config into a
+:class:`~fairseq_oss.sharded_adam.ShardedAdam`. Its config *is* ``FairseqAdamConfig`` plus
+the knobs below, so every flag of ``--optimizer adam`` works unchanged, with the same
+defaults, and switching is changing one word.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+from fairseq.distributed import utils as distributed_utils
+from fairseq.optim import FairseqOptimizer, register_optimizer
+from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
+
+from fairseq_oss.sharded_adam import DEFAULT_BUCKET_BYTES, ShardedAdam
+
+
+@dataclass
+class FairseqOSSAdamConfig(FairseqAdamConfig):
+    oss_bucket_mb: float = field(
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        metadata={
+            "help": "size in MiB of one bucket of parameters or optimizer state moved by one "
+            "collective (step all-gather, checkpoint consolidation); bounds the extra memory "
+            "they need"
+        },
+    )
+
+
+@register_optimizer("oss_adam", dataclass=FairseqOSSAdamConfig)
+class FairseqOSSAdam(FairseqOptimizer):
+    """fairseq's Adam with its state sharded across the data-parallel ranks (ZeRO-1).
+
+    Checkpoints hold the state un-sharded, in the format ``--optimizer adam`` writes;
+    the trainer's ``consolidate_optimizer()`` gathers it before a save.
+    """
+
+    def __init__(self, cfg: FairseqOSSAdamConfig, params):
+        super().__init__(cfg)
+        if getattr(cfg, "fp16_adam_stats", False):
+            raise NotImplementedError("--fp16-adam-stats is not supported by oss_adam")
+        if getattr(cfg, "tpu", False):
+            raise NotImplementedError("oss_adam does not support TPUs")
+        if not cfg.oss_bucket_mb > 0 or not math.isfinite(cfg.oss_bucket_mb):
+            raise ValueError(f"--oss-bucket-mb must be a positive number, got {cfg.oss_bucket_mb}")
+        group = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            group = distributed_utils.get_data_parallel_group()
+        self._optimizer = ShardedAdam(
+            params,
+            **self.optimizer_config,
+            process_group=group,
+            bucket_bytes=int(cfg.oss_bucket_mb * 2**20),
+        )
+
+    # Same hyperparameters, parsed the same way, as --optimizer adam.
+    optimizer_config = FairseqAdam.optimizer_config
+
+    def average_params(self):
+        raise NotImplementedError("oss_adam does not support BMUF")
