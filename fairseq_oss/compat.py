@@ -22,11 +22,17 @@ for the default ``--ddp-backend``
 ``_broadcast_object_slow`` ``torch.load``    ``weights_only=False`` for the object fairseq itself
 refuses DictConfig (torch >= 2.6)            pickled on rank 0 (any host)
 ===========================================  ====================================================
+
+And one for ``fairseq-hydra-train`` only: Hydra's override grammar rejects a tuple such as
+``optimizer.adam_betas=(0.9,0.98)`` (the form ``--adam-betas`` takes), so
+:func:`quote_tuple_overrides` passes such a value on as the string fairseq evaluates.
 """
 import io
 import logging
 import os
+import re
 import socket
+import sys
 
 import torch
 from fairseq.distributed import utils as distributed_utils
@@ -82,7 +88,7 @@ def _infer_torch_distributed_launch_init(cfg):
     cfg.distributed_init_method = "env://"
     cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
     cfg.distributed_rank = int(os.environ["RANK"])
-    cfg.device_id = int(os.environ.get("LOCAL_RANK", 0))
+    cfg.device_id = 0  # no device to pick; fairseq would call cuda.set_device for > 0
     cfg.distributed_no_spawn = True
 
 
@@ -140,6 +146,23 @@ def DistributedDataParallel(module, *args, device_ids=None, output_device=None, 
     )
 
 
+_TUPLE_OVERRIDE = re.compile(r"^([\w.+~@/-]+)=(\(.*\))$")
+
+
+def quote_tuple_overrides(argv):
+    """``key=(a,b)`` becomes ``key='(a,b)'``; every other argument is kept as it is."""
+    out = []
+    for arg in argv:
+        m = _TUPLE_OVERRIDE.match(arg)
+        out.append(f"{m.group(1)}='{m.group(2)}'" if m and "'" not in arg else arg)
+    return out
+
+
+def _is_hydra_train() -> bool:
+    prog = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return prog in ("fairseq-hydra-train", "hydra_train.py")
+
+
 _PATCHES = [
     (distributed_utils, "infer_init_method", infer_init_method),
     (distributed_utils, "_infer_single_node_init", _infer_single_node_init),
@@ -157,3 +180,6 @@ def apply() -> None:
         if name not in _ORIGINAL:
             _ORIGINAL[name] = getattr(module, name)
             setattr(module, name, replacement)
+    if _is_hydra_train() and "quote_tuple_overrides" not in _ORIGINAL:
+        _ORIGINAL["quote_tuple_overrides"] = list(sys.argv)
+        sys.argv[1:] = quote_tuple_overrides(sys.argv[1:])
