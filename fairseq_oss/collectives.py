@@ -5,7 +5,7 @@ the per-bucket gather of a consolidation. Each function here is collective: ever
 the group calls it, in the same order, with buckets of the same layout. Nothing here is
 pickled: only tensors move. With one process they do no communication.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,21 @@ def world_size_and_rank(group) -> Tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_gather_ints(value: int, group, device=None) -> List[int]:
+    """Every rank's ``value``, in rank order (a one-element tensor each, on ``device``,
+    which must be a CUDA device for NCCL; no pickling).
+
+    .. warning:: Collective: call on all ranks.
+    """
+    world_size, _ = world_size_and_rank(group)
+    if world_size == 1:
+        return [int(value)]
+    out = torch.empty(world_size, dtype=torch.int64, device=device)
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.tolist()
 
 
 def _global_rank(group, rank: int) -> int:

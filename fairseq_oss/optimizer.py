@@ -5,6 +5,7 @@ Owns the registration with fairseq and the translation of fairseq's config into 
 the knobs below, so every flag of ``--optimizer adam`` works unchanged, with the same
 defaults, and switching is changing one word.
 """
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -13,8 +14,10 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 
+from fairseq_oss import collectives
 from fairseq_oss.sharded_adam import DEFAULT_BUCKET_BYTES, ShardedAdam
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class FairseqOSSAdamConfig(FairseqAdamConfig):
@@ -52,6 +55,16 @@ class FairseqOSSAdam(FairseqOptimizer):
             **self.optimizer_config,
             process_group=group,
             bucket_bytes=int(cfg.oss_bucket_mb * 2**20),
+        )
+        device = next(iter(self._optimizer._params), torch.empty(0)).device
+        per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
+        logger.info(
+            "oss_adam: Adam state sharded over %d rank(s) in %d bucket(s): %s MiB per rank "
+            "(plain adam: %.2f MiB on every rank)",
+            len(per_rank),
+            len(self._optimizer.partition.buckets),
+            ", ".join(f"{b / 2**20:.2f}" for b in per_rank),
+            sum(per_rank) / 2**20,
         )
 
     # Same hyperparameters, parsed the same way, as --optimizer adam.

@@ -1,65 +1,107 @@
 """Run a function on N CPU processes joined by a gloo process group, inside pytest.
 
-``run_ranks(world_size, fn, *args)`` spawns ``world_size`` processes, initializes
-``torch.distributed`` (gloo, rendezvous through a file) in each, calls
-``fn(rank, world_size, *args)`` and returns the list of the ranks' return values
-(torch-saved, so tensors come back exactly). An exception on any rank fails the call
-with that rank's traceback; a hang fails it after ``timeout`` seconds.
+``run_ranks(world_size, fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank
+of a pool of ``world_size`` worker processes and returns the ranks' return values in rank
+order (torch-saved, so tensors come back exactly). ``fn`` must be a module-level function.
+
+Workers are started once per world size and kept for the session (``shutdown_pools`` at
+the end): starting a process that imports torch and fairseq costs seconds, a job does not.
+An exception on any rank fails the call with that rank's traceback; a rank that does not
+answer within ``timeout`` seconds (a hung collective) fails it too, and the pool is
+replaced, since its process group can no longer be trusted.
 """
+import io
 import os
+import queue
 import tempfile
-import time
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_POOLS = {}
 
-def _entry(rank, world_size, init_file, out_dir, fn, args):
+
+def _worker(rank, world_size, init_file, jobs, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            buf = io.BytesIO()
+            torch.save({"ok": fn(rank, world_size, *args)}, buf)
+        except BaseException:
+            buf = io.BytesIO()
+            torch.save({"error": traceback.format_exc()}, buf)
+        results.put((rank, buf.getvalue()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tmp = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self.tmp.name, "rendezvous")
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self.jobs[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout):
+        for q in self.jobs:
+            q.put((fn, args))
+        out = {}
+        while len(out) < self.world_size:
+            try:
+                rank, data = self.results.get(timeout=timeout)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                raise AssertionError(
+                    f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out))} did not "
+                    f"answer within {timeout} s (dead: {dead})"
+                ) from None
+            out[rank] = torch.load(io.BytesIO(data), weights_only=False)
+        errors = [f"rank {r}:\n{res['error']}" for r, res in sorted(out.items()) if "error" in res]
+        if errors:
+            raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(errors))
+        return [out[r]["ok"] for r in range(self.world_size)]
+
+    def close(self, graceful=True):
+        if graceful:
+            for q in self.jobs:
+                q.put(None)
+            for p in self.procs:
+                p.join(10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self.tmp.cleanup()
 
 
 def run_ranks(world_size, fn, *args, timeout=300):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(
-            _entry,
-            args=(world_size, init_file, tmp, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    raise AssertionError(f"ranks did not finish within {timeout} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
-            errors = []
-            for r in range(world_size):
-                path = os.path.join(tmp, f"{r}.pt")
-                if os.path.exists(path):
-                    res = torch.load(path, weights_only=False)
-                    if "error" in res:
-                        errors.append(f"rank {r}:\n{res['error']}")
-            raise AssertionError("\n".join(errors) or "a rank failed") from None
-        results = []
-        for r in range(world_size):
-            res = torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False)
-            results.append(res["ok"])
-        return results
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except AssertionError as e:
+        if "did not answer" in str(e) or "failed" in str(e):
+            # A rank may still sit in a collective that the failed one never joined.
+            _POOLS.pop(world_size).close(graceful=False)
+        raise
+
+
+def shutdown_pools():
+    while _POOLS:
+        _POOLS.popitem()[1].close()

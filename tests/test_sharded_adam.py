@@ -1,0 +1,311 @@
+"""ShardedAdam against fairseq's Adam, on 1, 2 and 3 CPU ranks with gloo.
+
+Assumption these tests rely on: data parallelism gives every rank the same gradients, so
+feeding every rank (and the reference) the same gradients is exactly what fairseq does
+after its all-reduce. Parity is checked on parameters and state, bit for bit.
+"""
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+from ranks import run_ranks
+
+WORLD_SIZES = [1, 2, 3]
+SMALL_BUCKET = 512  # bytes: 128 fp32 elements, so parameters span buckets
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "embed": torch.nn.Embedding(300, 8),
+            "fc1": torch.nn.Linear(8, 16),
+            "fc2": torch.nn.Linear(16, 4),
+            "sometimes": torch.nn.Linear(4, 3),  # no gradient in some steps
+            "frozen": torch.nn.Linear(3, 3),  # requires_grad=False: never a gradient
+        }
+    )
+    model["frozen"].requires_grad_(False)
+    return model
+
+
+def param_groups(model, lr):
+    """Two groups with their own lr and weight decay, as a fairseq user may build."""
+    return [
+        {"params": list(model["embed"].parameters()), "lr": lr},
+        {
+            "params": [p for n, p in model.named_parameters() if not n.startswith("embed")],
+            "lr": lr,
+            "weight_decay": 0.01,
+        },
+    ]
+
+
+def lr_at(step):
+    """Polynomial-decay-with-warm-up shaped schedule, set on the groups each step."""
+    warmup, total, peak = 4, 30, 1e-2
+    if step <= warmup:
+        return peak * step / warmup
+    return peak * (1 - (step - warmup) / (total - warmup)) ** 1.0
+
+
+def set_grads(model, step):
+    """The same gradients on every rank, as after fairseq's all-reduce."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for name, p in model.named_parameters():
+        no_grad = name.startswith("frozen") or (name.startswith("sometimes") and 3 <= step <= 5)
+        p.grad = None if no_grad else torch.randn(p.shape, generator=g)
+
+
+def run_steps(model, opt, first, last, scale=1.0):
+    for step in range(first, last + 1):
+        set_grads(model, step)
+        if scale != 1.0:  # what --clip-norm does to the gradients before the step
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step) * (0.5 if group.get("weight_decay") else 1.0)
+        opt.step()
+
+
+def build(bucket_bytes):
+    from fairseq.optim.adam import Adam
+
+    from fairseq_oss.sharded_adam import ShardedAdam
+
+    model, ref = make_model(), make_model()
+    opt = ShardedAdam(param_groups(model, 1e-3), betas=(0.9, 0.98), eps=1e-6, bucket_bytes=bucket_bytes)
+    ref_opt = Adam(param_groups(ref, 1e-3), betas=(0.9, 0.98), eps=1e-6)
+    return model, opt, ref, ref_opt
+
+
+def parity_job(rank, world_size, bucket_bytes):
+    from fairseq_oss import collectives
+
+    model, opt, ref, ref_opt = build(bucket_bytes)
+    gathers = []
+    original = collectives.all_gather_bucket
+
+    def counting(*args):
+        gathers.append(1)
+        return original(*args)
+
+    collectives.all_gather_bucket = counting
+    run_steps(model, opt, 1, 1)
+    collectives.all_gather_bucket = original
+    run_steps(ref, ref_opt, 1, 1)
+    run_steps(model, opt, 2, 20, scale=0.5)
+    run_steps(ref, ref_opt, 2, 20, scale=0.5)
+    opt.consolidate_state_dict(recipient_rank=0)
+    sd = opt.state_dict() if rank == 0 else None
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
+        "state_dict": sd,
+        "ref_state_dict": ref_opt.state_dict(),
+        "state_bytes": opt.state_bytes(),
+        "buckets": len(opt.partition.buckets),
+        "gathers_per_step": len(gathers),
+        "num_params": len(opt._params),
+    }
+
+
+def assert_same_state_dict(got, want):
+    """Same keys, same param_groups, and per entry the same step, dtype, shape and bits."""
+    assert got["param_groups"] == want["param_groups"]
+    assert list(got["state"]) == list(want["state"])
+    for k, entry in want["state"].items():
+        assert set(got["state"][k]) == set(entry), k
+        assert got["state"][k]["step"] == entry["step"] and type(got["state"][k]["step"]) is int
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = got["state"][k][key], entry[key]
+            assert a.dtype == b.dtype and a.shape == b.shape, (k, key)
+            assert torch.equal(a, b), (k, key)
+
+
+@pytest.mark.parametrize("bucket_bytes", [SMALL_BUCKET, 32 * 2**20], ids=["small-buckets", "default-bucket"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_bitwise_parity_with_fairseq_adam(world_size, bucket_bytes):
+    """20 updates with two param groups, weight decay, a warm-up/decay schedule,
+    clipped gradients, a parameter without gradient in steps 3-5 and a frozen one: the
+    parameters on every rank and the consolidated state equal fairseq's Adam bit for bit."""
+    results = run_ranks(world_size, parity_job, bucket_bytes)
+    for rank, res in enumerate(results):
+        for name, want in res["ref_params"].items():
+            assert torch.equal(res["params"][name], want), (rank, name)
+    ref_sd = results[0]["ref_state_dict"]
+    # the reference skipped the frozen parameter and counted only 17 steps for "sometimes"
+    assert ref_sd["state"][6]["step"] == 17 and 8 not in ref_sd["state"]
+    assert_same_state_dict(results[0]["state_dict"], ref_sd)
+
+    # Sharded, not replicated: the ranks' state adds up to plain Adam's, each holds ~1/N.
+    total = sum(2 * t.numel() * 4 for t in results[0]["params"].values())
+    per_rank = [r["state_bytes"] for r in results]
+    assert sum(per_rank) == total
+    assert max(per_rank) <= total / world_size + 2 * 4 * results[0]["buckets"]
+    # One all-gather per bucket, not one per parameter.
+    if world_size > 1:
+        assert results[0]["gathers_per_step"] == results[0]["buckets"]
+    if bucket_bytes > SMALL_BUCKET:
+        assert results[0]["buckets"] < results[0]["num_params"]
+
+
+def save_job(rank, world_size, path, bucket_bytes):
+    model, opt, ref, ref_opt = build(bucket_bytes)
+    run_steps(model, opt, 1, 10)
+    run_steps(ref, ref_opt, 1, 10)
+    opt.consolidate_state_dict()
+    if rank == 0:
+        torch.save(
+            {
+                "optimizer": opt.state_dict(),
+                "model": model.state_dict(),
+                "ref_optimizer": ref_opt.state_dict(),
+                "ref_model": ref.state_dict(),
+            },
+            path,
+        )
+    return None
+
+
+def resume_job(rank, world_size, path, bucket_bytes):
+    model, opt, ref, ref_opt = build(bucket_bytes)
+    ckpt = torch.load(path, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    ref.load_state_dict(ckpt["ref_model"])
+    opt.load_state_dict(ckpt["optimizer"])
+    ref_opt.load_state_dict(ckpt["ref_optimizer"])
+    run_steps(model, opt, 11, 15)
+    run_steps(ref, ref_opt, 11, 15)
+    opt.consolidate_state_dict()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
+        "state_dict": opt.state_dict() if rank == 0 else None,
+        "ref_state_dict": ref_opt.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("save_ws, load_ws", [(2, 1), (2, 3), (1, 2), (3, 2), (3, 3)])
+def test_resume_at_another_world_size(tmp_path, save_ws, load_ws):
+    """State saved at N (in the plain format) and loaded at M continues exactly as plain
+    Adam saved and loaded the same way. Different bucket sizes on each side too: the file
+    does not depend on the layout."""
+    path = os.path.join(tmp_path, "ckpt.pt")
+    run_ranks(save_ws, save_job, path, SMALL_BUCKET)
+    saved = torch.load(path, weights_only=False)
+    assert_same_state_dict(saved["optimizer"], saved["ref_optimizer"])
+    results = run_ranks(load_ws, resume_job, path, 2048)
+    for rank, res in enumerate(results):
+        for name, want in res["ref_params"].items():
+            assert torch.equal(res["params"][name], want), (rank, name)
+    assert_same_state_dict(results[0]["state_dict"], results[0]["ref_state_dict"])
+
+
+# ---------------------------------------------------------------- single process
+
+
+def test_load_accepts_tensor_steps_and_other_dtypes():
+    """torch.optim.Adam stores step as a tensor; a float64 state is cast on load."""
+    model, opt, ref, ref_opt = build(SMALL_BUCKET)
+    run_steps(ref, ref_opt, 1, 3)
+    sd = copy.deepcopy(ref_opt.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = torch.tensor(float(entry["step"]))
+        entry["exp_avg"] = entry["exp_avg"].double()
+    opt.load_state_dict(sd)
+    assert_same_state_dict(opt.state_dict(), ref_opt.state_dict())
+
+
+def _mutate(kind, sd):
+    if kind == "groups":
+        sd["param_groups"] = sd["param_groups"][:1]
+    elif kind == "count":
+        sd["param_groups"][1]["params"] = sd["param_groups"][1]["params"][:-1]
+    elif kind == "shape":
+        sd["state"][1]["exp_avg"] = torch.zeros(16, 9)
+    elif kind == "missing":
+        del sd["state"][3]["exp_avg_sq"]
+    return sd
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("groups", "1 param groups, this optimizer has 2"),
+        ("count", "param group 1: loaded state has 7 parameters, this optimizer has 8"),
+        ("shape", r"parameter 1: loaded exp_avg has shape \(16, 9\), the parameter has shape \(16, 8\)"),
+        ("missing", "parameter 3: loaded state has no 'exp_avg_sq'"),
+    ],
+)
+def test_load_rejects_a_mismatch_and_names_it(kind, message):
+    model, opt, ref, ref_opt = build(SMALL_BUCKET)
+    run_steps(ref, ref_opt, 1, 2)
+    sd = _mutate(kind, copy.deepcopy(ref_opt.state_dict()))
+    before = [t.clone() for t in opt._exp_avg]
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt._exp_avg))  # nothing half-loaded
+
+
+def test_load_does_not_modify_the_callers_dict():
+    model, opt, ref, ref_opt = build(SMALL_BUCKET)
+    run_steps(ref, ref_opt, 1, 2)
+    sd = ref_opt.state_dict()
+    snapshot = copy.deepcopy(sd)
+    opt.load_state_dict(sd)
+    assert_same_state_dict(sd, snapshot)
+
+
+def state_dict_without_consolidation_job(rank, world_size):
+    model, opt, _, _ = build(SMALL_BUCKET)
+    run_steps(model, opt, 1, 1)
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        opt.state_dict()
+    return True
+
+
+def test_state_dict_without_consolidation_raises():
+    assert run_ranks(2, state_dict_without_consolidation_job) == [True, True]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"amsgrad": True}, ValueError, "amsgrad"),
+        ({"bucket_bytes": 0}, ValueError, "bucket_bytes"),
+    ],
+)
+def test_constructor_rejects(kwargs, error, message):
+    from fairseq_oss.sharded_adam import ShardedAdam
+
+    with pytest.raises(error, match=message):
+        ShardedAdam(make_model().parameters(), **kwargs)
+
+
+def test_non_contiguous_parameter_is_rejected():
+    from fairseq_oss.sharded_adam import ShardedAdam
+
+    p = torch.nn.Parameter(torch.zeros(4, 3).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        ShardedAdam([p])
+
+
+def test_add_param_group_after_construction_is_refused():
+    model, opt, _, _ = build(SMALL_BUCKET)
+    with pytest.raises(NotImplementedError):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_lr_schedule_is_read_from_the_groups_each_step():
+    """fairseq's LR schedulers set group['lr'] before each step; a changed lr must apply."""
+    assert not math.isclose(lr_at(3), lr_at(10))
+    model, opt, ref, ref_opt = build(SMALL_BUCKET)
+    run_steps(model, opt, 1, 6)
+    run_steps(ref, ref_opt, 1, 6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
