@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from checks import assert_same_state_dict
 from ranks import run_ranks
 
 WORLD_SIZES = [1, 2, 3]
@@ -112,19 +113,6 @@ def parity_job(rank, world_size, bucket_bytes):
         "gathers_per_step": len(gathers),
         "num_params": len(opt._params),
     }
-
-
-def assert_same_state_dict(got, want):
-    """Same keys, same param_groups, and per entry the same step, dtype, shape and bits."""
-    assert got["param_groups"] == want["param_groups"]
-    assert list(got["state"]) == list(want["state"])
-    for k, entry in want["state"].items():
-        assert set(got["state"][k]) == set(entry), k
-        assert got["state"][k]["step"] == entry["step"] and type(got["state"][k]["step"]) is int
-        for key in ("exp_avg", "exp_avg_sq"):
-            a, b = got["state"][k][key], entry[key]
-            assert a.dtype == b.dtype and a.shape == b.shape, (k, key)
-            assert torch.equal(a, b), (k, key)
 
 
 @pytest.mark.parametrize("bucket_bytes", [SMALL_BUCKET, 32 * 2**20], ids=["small-buckets", "default-bucket"])
