@@ -1,5 +1,5 @@
 """Fixes that make fairseq's data-parallel launchers work on CPU with gloo, and its
-multi-rank resume work on torch >= 2.6. Applied by :func:`apply` when the plugin registers.
+multi-rank resume work on torch >= 2.6. Importing this module applies them (:func:`apply`).
 
 Owns only these patches. Each one changes behaviour only where stock fairseq fails:
 
@@ -175,7 +175,7 @@ _PATCHES = [
 
 
 def apply() -> None:
-    """Install the patches once; later calls do nothing."""
+    """Install the patches once; later calls do nothing. Importing this module calls it."""
     for module, name, replacement in _PATCHES:
         if name not in _ORIGINAL:
             _ORIGINAL[name] = getattr(module, name)
@@ -183,3 +183,6 @@ def apply() -> None:
     if _is_hydra_train() and "quote_tuple_overrides" not in _ORIGINAL:
         _ORIGINAL["quote_tuple_overrides"] = list(sys.argv)
         sys.argv[1:] = quote_tuple_overrides(sys.argv[1:])
+
+
+apply()
