@@ -20,21 +20,22 @@ def words(vocab):
     return [f"w{i}" for i in range(vocab)]
 
 
-def sentences(n, vocab, seed):
+def grammar(vocab, seed):
+    """The language: each word prefers 4 successors (the same for every split)."""
     rng = random.Random(seed)
     ws = words(vocab)
-    weights = [1.0 / (i + 1) for i in range(vocab)]
-    # Each word prefers a handful of successors: learnable structure.
-    successors = {}
+    weights = [1.0 / (i + 1) for i in range(vocab)]  # Zipf
+    return ws, weights, {w: rng.choices(ws, weights, k=4) for w in ws}
+
+
+def sentences(n, language, seed):
+    ws, weights, successors = language
+    rng = random.Random(seed)
     for _ in range(n):
-        length = rng.randint(5, 20)
         w = rng.choices(ws, weights)[0]
         out = [w]
-        for _ in range(length - 1):
-            nxt = successors.get(w)
-            if nxt is None:
-                nxt = successors[w] = rng.choices(ws, weights, k=4)
-            w = rng.choice(nxt) if rng.random() < 0.8 else rng.choices(ws, weights)[0]
+        for _ in range(rng.randint(5, 20) - 1):
+            w = rng.choice(successors[w]) if rng.random() < 0.8 else rng.choices(ws, weights)[0]
             out.append(w)
         yield " ".join(out)
 
@@ -50,9 +51,10 @@ def main(argv=None):
 
     os.makedirs(args.out_dir, exist_ok=True)
     sizes = {"train": args.train_lines, "valid": args.valid_lines, "test": args.valid_lines}
+    language = grammar(args.vocab, args.seed)
     for i, (split, n) in enumerate(sizes.items()):
         with open(os.path.join(args.out_dir, f"{split}.txt"), "w") as f:
-            for line in sentences(n, args.vocab, args.seed * 1000 + i):
+            for line in sentences(n, language, args.seed * 1000 + i + 1):
                 f.write(line + "\n")
     bin_dir = os.path.join(args.out_dir, "bin")
     cmd = [
