@@ -297,3 +297,43 @@ def test_lr_schedule_is_read_from_the_groups_each_step():
     run_steps(ref, ref_opt, 1, 6)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+
+
+def flat_and_bf16_job(rank, world_size):
+    """The two layouts fairseq's fp16 wrappers hand an optimizer: FP16Optimizer's single
+    flat fp32 master tensor, and MemoryEfficientFP16Optimizer's low-precision params
+    (updated in fp32, written back)."""
+    from fairseq.optim.adam import Adam
+
+    from fairseq_oss.sharded_adam import ShardedAdam
+
+    out = {}
+    for name, dtype, numel in (("flat-fp32", torch.float32, 10007), ("bf16", torch.bfloat16, 999)):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(numel).to(dtype))
+        q = torch.nn.Parameter(p.detach().clone())
+        opt = ShardedAdam([p], lr=1e-2, weight_decay=0.1, bucket_bytes=4096)
+        ref = Adam([q], lr=1e-2, weight_decay=0.1)
+        for step in range(1, 21):
+            g = torch.randn(numel, generator=torch.Generator().manual_seed(step)).to(dtype)
+            p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        opt.consolidate_state_dict()
+        out[name] = (p.detach().clone(), q.detach().clone(), opt.state_dict() if rank == 0 else None,
+                     ref.state_dict(), opt.state_bytes())
+    return out
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_flat_master_and_bf16_params(world_size):
+    results = run_ranks(world_size, flat_and_bf16_job)
+    for rank, res in enumerate(results):
+        for name, (p, q, _, _, _) in res.items():
+            assert p.dtype == q.dtype and torch.equal(p, q), (rank, name)
+    for name, (p, _, sd, ref_sd, _) in results[0].items():
+        assert_same_state_dict(sd, ref_sd)
+        assert sd["state"][0]["exp_avg"].dtype == torch.float32  # fp32 state for bf16 params
+        per_rank = [r[name][4] for r in results]
+        assert sum(per_rank) == 2 * 4 * p.numel()
+        assert max(per_rank) <= 1.01 * 2 * 4 * p.numel() / world_size
