@@ -78,3 +78,42 @@ def gather_shards(
         gather_list = list(out.chunk(world_size))
     dist.gather(padded, gather_list, dst=_global_rank(group, recipient), group=group)
     return out
+
+
+def scatter_shards(full: Optional[torch.Tensor], like: torch.Tensor, shard_numel: int, group, world_size: int):
+    """Rank 0 of ``group`` sends shard ``r`` of ``full`` (``world_size`` shards of
+    ``shard_numel`` elements end to end) to rank ``r``; returns this rank's shard, with
+    the dtype and device of ``like``. ``full`` is read on rank 0 only (None elsewhere).
+
+    .. warning:: Collective: call on all ranks.
+    """
+    if world_size == 1:
+        return full
+    out = torch.empty(shard_numel, dtype=like.dtype, device=like.device)
+    chunks = list(full.chunk(world_size)) if dist.get_rank(group) == 0 else None
+    dist.scatter(out, chunks, src=_global_rank(group, 0), group=group)
+    return out
+
+
+def broadcast_object(obj, group, world_size: int):
+    """Rank 0's small picklable ``obj`` on every rank (metadata only, never tensors of state).
+
+    .. warning:: Collective: call on all ranks.
+    """
+    if world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def all_gather_objects(obj, group, world_size: int) -> list:
+    """Every rank's small picklable ``obj`` (an error message, say), in rank order.
+
+    .. warning:: Collective: call on all ranks.
+    """
+    if world_size == 1:
+        return [obj]
+    out = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -77,6 +77,17 @@ def clip_pieces(pieces: Sequence[Piece], start: int, end: int) -> Tuple[Piece, .
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A run of buckets of one param group and kind: one contiguous flat space, which is
+    also how a checkpoint stores its Adam state (one storage per segment and state key,
+    each parameter's state a view at ``param_offsets``), whatever the world size."""
+
+    buckets: Tuple[int, ...]
+    numel: int
+    param_offsets: Tuple[Tuple[int, int], ...]  # (param, first element in the segment)
+
+
+@dataclass(frozen=True)
 class Partition:
     world_size: int
     buckets: Tuple[Bucket, ...]
@@ -85,6 +96,26 @@ class Partition:
     def shard_numel(self, rank: int) -> int:
         """Optimizer-state elements (per state tensor) that rank holds."""
         return sum(e - s for s, e in (b.shard_range(rank) for b in self.buckets))
+
+    def segments(self) -> Tuple[Segment, ...]:
+        out, run = [], []
+
+        def close():
+            if run:
+                start, offsets = 0, []
+                for bi in run:
+                    b = self.buckets[bi]
+                    offsets += [(pc.param, start + pc.offset) for pc in b.pieces if pc.param_offset == 0]
+                    start += b.numel
+                out.append(Segment(tuple(run), start, tuple(offsets)))
+
+        for b in self.buckets:
+            if run and (self.buckets[run[-1]].group, self.buckets[run[-1]].kind) != (b.group, b.kind):
+                close()
+                run = []
+            run.append(b.index)
+        close()
+        return tuple(out)
 
     def param_shards(self, rank: int) -> Dict[int, List[Tuple[int, Piece]]]:
         """For each parameter, the ``(bucket index, piece)`` pairs of rank's shards that

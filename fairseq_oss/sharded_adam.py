@@ -17,15 +17,28 @@ Every rank holds, besides the parameters, only:
 * two gather buffers of one bucket each, per dtype.
 """
 import math
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from fairseq_oss import collectives
+from fairseq_oss.checkpoint_format import CheckpointError, CheckpointReader, StorageRef, StreamedTensor, load_mmap
 from fairseq_oss.partition import Bucket, ParamSpec, Partition, partition
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
+class _Unavailable:
+    """What :meth:`ShardedAdam.state_dict` returns after a consolidation that could not
+    gather (fairseq's crash path): the checkpoint is written without optimizer state."""
+
+    def __repr__(self):
+        return "<optimizer state not gathered>"
+
+
+UNAVAILABLE = _Unavailable()
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -202,17 +215,35 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state dict
 
-    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+    def consolidate_state_dict(self, recipient_rank: int = 0, writer=None, stream: bool = False) -> None:
         """Gather the full Adam state on ``recipient_rank`` (a rank of ``process_group``),
-        bucket by bucket, as tensors; other ranks only send their shards.
+        one bucket at a time, as tensors (never pickles); other ranks only send.
+
+        With ``stream=True`` (on all ranks) the recipient writes each gathered bucket to
+        ``writer`` (a :class:`~fairseq_oss.checkpoint_format.CheckpointWriter`) as it
+        arrives, one record per segment and state key, and keeps only placeholders: its
+        memory rises by one bucket, whatever the model and world size. Then
+        :meth:`state_dict` returns :class:`~fairseq_oss.checkpoint_format.StreamedTensor`
+        placeholders for ``writer.finish``. A write error on the recipient is raised after
+        the last gather, so that no rank is left waiting in one.
+
+        Called while an exception is being handled (fairseq's ``crash.pt`` path, possibly
+        on one rank only), it runs no collective and :meth:`state_dict` returns
+        :data:`UNAVAILABLE`.
 
         .. warning:: Collective: call on all ranks, before :meth:`state_dict` on the recipient.
         """
         self._consolidated = None
+        if sys.exc_info()[0] is not None:
+            self._consolidated = UNAVAILABLE
+            return
+        is_recipient = self.rank == recipient_rank
+        if stream:
+            self._consolidated = self._stream_state(recipient_rank, writer if is_recipient else None)
+            return
         if self.world_size == 1:
             return
         full: Dict[int, Dict[str, torch.Tensor]] = {}
-        is_recipient = self.rank == recipient_rank
         if is_recipient:
             for i, p in enumerate(self._params):
                 if self._steps[i] > 0:
@@ -222,7 +253,7 @@ class ShardedAdam(torch.optim.Optimizer):
                         "exp_avg_sq": torch.empty(p.shape, dtype=dtype, device=p.device),
                     }
         for b in self.partition.buckets:
-            for key, local in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
+            for key, local in self._state_keys():
                 gathered = collectives.gather_shards(
                     local[b.index], b.shard_numel, recipient_rank, self.process_group, self.world_size
                 )
@@ -235,27 +266,74 @@ class ShardedAdam(torch.optim.Optimizer):
         if is_recipient:
             self._consolidated = full
 
+    def _state_keys(self):
+        return (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq))
+
+    def _stream_state(self, recipient_rank: int, writer) -> Optional[Dict]:
+        """Gather segment by segment, key by key, bucket by bucket; the recipient writes."""
+        placeholders: Dict[int, Dict] = {}
+        views: Dict[str, Dict[str, list]] = {}
+        error = None
+        for seg in self.partition.segments():
+            p0 = self._params[seg.param_offsets[0][0]] if seg.param_offsets else None
+            dtype = _state_dtype(p0.dtype) if p0 is not None else torch.float32
+            for key, local in self._state_keys():
+                ref = out = None
+                if writer is not None and error is None:
+                    try:
+                        ref = StorageRef(writer.new_key(), dtype, seg.numel)
+                        out = writer.stream(f"data/{ref.key}").__enter__()
+                    except Exception as e:  # noqa: BLE001 - re-raised after the gathers
+                        error = e
+                for bi in seg.buckets:
+                    b = self.partition.buckets[bi]
+                    gathered = collectives.gather_shards(
+                        local[b.index], b.shard_numel, recipient_rank, self.process_group, self.world_size
+                    )
+                    if out is not None and error is None:
+                        try:
+                            out.write(gathered[: b.numel])
+                        except Exception as e:  # noqa: BLE001
+                            error = e
+                if out is not None:
+                    out.__exit__(type(error) if error else None, error, None)
+                if ref is not None and error is None:
+                    for param, offset in seg.param_offsets:
+                        views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]
+                        if self._steps[param] > 0:
+                            shape = self._params[param].shape
+                            placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, shape)
+        if error is not None:
+            raise error
+        if writer is None:
+            return None
+        writer.extra_manifest["optimizer_views"] = views
+        return {"streamed": placeholders}
+
     def state_dict(self):
         """The state in the format of ``fairseq.optim.adam.Adam.state_dict()``: one entry
         per stepped parameter with ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` shaped
         like the parameter, and one ``param_groups`` list.
 
-        With several ranks, only the recipient of :meth:`consolidate_state_dict` can call
-        this, once per consolidation (the gathered copy is handed over, not kept).
+        With several ranks, or after a streamed consolidation, only the recipient of
+        :meth:`consolidate_state_dict` can call this, once per consolidation (the gathered
+        copy is handed over, not kept).
 
         Raises:
             RuntimeError: if the state was not consolidated on this rank.
         """
-        if self.world_size == 1:
-            full = self._local_full_state()
-        else:
-            if self._consolidated is None:
-                raise RuntimeError(
-                    "ShardedAdam.state_dict() on a sharded optimizer needs "
-                    "consolidate_state_dict() to be called on all ranks first, and is only "
-                    f"available on the recipient rank (this is rank {self.rank})"
-                )
-            full, self._consolidated = self._consolidated, None
+        consolidated, self._consolidated = self._consolidated, None
+        if consolidated is UNAVAILABLE:
+            return UNAVAILABLE
+        if consolidated is None and self.world_size == 1:
+            consolidated = self._local_full_state()
+        if consolidated is None:
+            raise RuntimeError(
+                "ShardedAdam.state_dict() on a sharded optimizer needs "
+                "consolidate_state_dict() to be called on all ranks first, and is only "
+                f"available on the recipient rank (this is rank {self.rank})"
+            )
+        full = consolidated["streamed"] if "streamed" in consolidated else consolidated
         state = {
             i: {"step": self._steps[i], "exp_avg": t["exp_avg"], "exp_avg_sq": t["exp_avg_sq"]}
             for i, t in sorted(full.items())
@@ -278,7 +356,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if self._steps[i] == 0:
                 continue
             entry = {}
-            for key, local in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
+            for key, local in self._state_keys():
                 parts = [
                     local[bi][pc.offset : pc.offset + pc.numel]
                     for bi, pc in self._param_shards.get(i, [])
@@ -288,6 +366,49 @@ class ShardedAdam(torch.optim.Optimizer):
             full[i] = entry
         return full
 
+    def _validate(self, state_dict, source: str = "loaded state") -> List[int]:
+        """Check ``state_dict`` against this optimizer's parameters; return the step of
+        each parameter (0 where it has no state).
+
+        Raises:
+            ValueError: naming the first mismatch.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{source} has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        saved_ids = []
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(
+                    f"param group {gi}: {source} has {len(sg['params'])} parameters, "
+                    f"this optimizer has {len(g['params'])}"
+                )
+            saved_ids.extend(sg["params"])
+        saved_state = state_dict["state"]
+        steps = [0] * len(self._params)
+        for i, (sid, p) in enumerate(zip(saved_ids, self._params)):
+            entry = saved_state.get(sid)
+            if entry is None:
+                continue
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                if key not in entry:
+                    raise ValueError(f"parameter {i}: {source} has no '{key}'")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = entry[key]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"parameter {i}: {source} {key} has shape {tuple(t.shape)}, "
+                        f"the parameter has shape {tuple(p.shape)}"
+                    )
+                if not t.dtype.is_floating_point:
+                    raise ValueError(f"parameter {i}: {source} {key} has dtype {t.dtype}")
+            steps[i] = int(entry["step"])
+        self._saved_ids = saved_ids
+        return steps
+
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict in the plain Adam format, saved at any world size: each rank
         keeps the slices of its own shard. Hyperparameters come from the saved groups, as
@@ -295,53 +416,131 @@ class ShardedAdam(torch.optim.Optimizer):
 
         Raises:
             ValueError: if the groups, parameter counts or state shapes do not match this
-                optimizer's parameters; the message names the first mismatch.
+                optimizer's parameters; the message names the first mismatch. Nothing is
+                changed then.
         """
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        saved_ids = []
-        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(
-                    f"param group {gi}: loaded state has {len(sg['params'])} parameters, "
-                    f"this optimizer has {len(g['params'])}"
-                )
-            saved_ids.extend(sg["params"])
-        saved_state = state_dict["state"]
-        steps = [0] * len(self._params)
-        entries = []
-        for i, (sid, p) in enumerate(zip(saved_ids, self._params)):
-            entry = saved_state.get(sid)
-            if entry is not None:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in entry:
-                        raise ValueError(f"parameter {i}: loaded state has no '{key}'")
-                    if tuple(entry[key].shape) != tuple(p.shape):
-                        raise ValueError(
-                            f"parameter {i}: loaded {key} has shape {tuple(entry[key].shape)}, "
-                            f"the parameter has shape {tuple(p.shape)}"
-                        )
-                steps[i] = int(entry["step"])
-            entries.append(entry)
+        steps = self._validate(state_dict)
+        entries = [state_dict["state"].get(sid) for sid in self._saved_ids]
+        self._copy_slices(lambda i, key, start, end: entries[i][key].reshape(-1)[start:end], steps)
+        self._apply_groups(state_dict["param_groups"])
 
-        for i, entry in enumerate(entries):
+    def _copy_slices(self, read, steps: List[int]) -> None:
+        """Fill this rank's shards: ``read(param, key, start, end)`` gives elements
+        ``[start, end)`` of the parameter's flattened state; zeros where it has none."""
+        for i in range(len(self._params)):
             for bi, pc in self._param_shards.get(i, []):
-                for key, local in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
+                for key, local in self._state_keys():
                     dst = local[bi][pc.offset : pc.offset + pc.numel]
-                    if entry is None:
+                    if steps[i] == 0:
                         dst.zero_()
                     else:
-                        src = entry[key].reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
-                        dst.copy_(src)
+                        dst.copy_(read(i, key, pc.param_offset, pc.param_offset + pc.numel))
         self._steps = steps
+
+    def _apply_groups(self, saved_groups) -> None:
         for sg, g in zip(saved_groups, self.param_groups):
             for k, v in sg.items():
                 if k != "params":
                     g[k] = v
+
+    def load_from_checkpoint(self, path: str, key: str = "last_optimizer_state", verify: bool = True,
+                             shared_fs: bool = True) -> None:
+        """Load the state stored under ``key`` of the checkpoint at ``path``, reading only
+        this rank's slices: the file is mapped (``torch.load(mmap=True)``), so a rank's
+        memory rises by its own shard, never the full state. With a fairseq-oss manifest
+        and ``verify``, the CRC of every chunk read is checked. With ``shared_fs=False``
+        (ranks do not see the same files) rank 0 reads and sends each rank its slices,
+        one bucket at a time.
+
+        Raises:
+            CheckpointError: on every rank, if any rank found the file unreadable,
+                corrupted, or not matching this optimizer; nothing is changed then.
+
+        .. warning:: Collective: call on all ranks.
+        """
+        error, state, reader, steps = None, None, None, None
+        reads = shared_fs or self.rank == 0
+        try:
+            if reads:
+                reader = CheckpointReader(path)
+                ckpt = load_mmap(path)
+                state = ckpt.get(key) if isinstance(ckpt, dict) else None
+                if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+                    raise CheckpointError(f"{path}: no optimizer state under '{key}'")
+                try:
+                    steps = self._validate(state, source=f"{path}")
+                except ValueError as e:
+                    raise CheckpointError(f"{path}: {e}") from None
+        except CheckpointError as e:
+            error = str(e)
+        self._agree(error)
+        if shared_fs:
+            views = (reader.manifest or {}).get("optimizer_views") if verify else None
+            entries = [state["state"].get(sid) for sid in self._saved_ids]
+
+            def read(i, k, start, end):
+                t = entries[i][k]
+                if views is not None:
+                    record, offset = views[str(i)][k]
+                    size = t.element_size()
+                    reader.verify(record, (offset + start) * size, (offset + end) * size)
+                return t.reshape(-1)[start:end]
+
+            try:
+                self._copy_slices(read, steps)
+            except CheckpointError as e:
+                error = str(e)
+            self._agree(error)
+        else:
+            self._scatter_from_rank0(state, reader if verify else None, steps if reads else None)
+        groups = collectives.broadcast_object(state["param_groups"] if reads else None, self.process_group,
+                                              self.world_size) if not shared_fs else state["param_groups"]
+        self._apply_groups(groups)
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Raise on every rank if any rank has an error (collective)."""
+        errors = collectives.all_gather_objects(error, self.process_group, self.world_size)
+        first = next((e for e in errors if e), None)
+        if first is not None:
+            raise CheckpointError(first)
+
+    def _scatter_from_rank0(self, state, reader, steps) -> None:
+        """Rank 0 assembles each bucket of each key from the mapped file and scatters the
+        shards; the others receive theirs. One bucket in memory on rank 0."""
+        steps = collectives.broadcast_object(steps, self.process_group, self.world_size)
+        entries = None
+        views = None
+        if self.rank == 0:
+            entries = [state["state"].get(sid) for sid in self._saved_ids]
+            views = (reader.manifest or {}).get("optimizer_views") if reader is not None else None
+        error = None
+        for b in self.partition.buckets:
+            for key, local in self._state_keys():
+                full = None
+                if self.rank == 0:
+                    full = local[b.index].new_zeros(b.shard_numel * self.world_size)
+                    for pc in b.pieces:
+                        if steps[pc.param] == 0 or error is not None:
+                            continue
+                        t = entries[pc.param][key]
+                        try:
+                            if views is not None:
+                                record, offset = views[str(pc.param)][key]
+                                size = t.element_size()
+                                start = offset + pc.param_offset
+                                reader.verify(record, start * size, (start + pc.numel) * size)
+                        except CheckpointError as e:
+                            error = str(e)
+                        full[pc.offset : pc.offset + pc.numel].copy_(
+                            t.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
+                        )
+                shard = collectives.scatter_shards(
+                    full, local[b.index], b.shard_numel, self.process_group, self.world_size
+                )
+                start, end = b.shard_range(self.rank)
+                local[b.index].copy_(shard[: end - start])
+        self._agree(error)
+        self._steps = steps
 
 
 def _adam_update(p, grad, exp_avg, exp_avg_sq, step: int, group) -> None:

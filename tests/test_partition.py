@@ -117,3 +117,16 @@ def test_clip_pieces_rebases_offsets():
 def test_invalid_arguments_raise(specs, world_size, bucket_numel, message):
     with pytest.raises(ValueError, match=message):
         partition(specs, world_size, bucket_numel)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_segments_place_every_parameter_once_whatever_the_world_size(world_size):
+    part = partition(MIXED, world_size, 10)
+    segs = part.segments()
+    placed = {p: (i, off) for i, s in enumerate(segs) for p, off in s.param_offsets}
+    assert sorted(placed) == [i for i, s in enumerate(MIXED) if s.numel > 0]
+    assert [s.numel for s in segs] == [38, 5, 15]  # group 0 fp32, group 0 fp16, group 1
+    assert placed[2] == (0, 8) and placed[6] == (2, 13)
+    assert [(s.numel, s.param_offsets) for s in segs] == [
+        (s.numel, s.param_offsets) for s in partition(MIXED, 2, 1000).segments()
+    ]

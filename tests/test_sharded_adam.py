@@ -226,7 +226,7 @@ def _mutate(kind, sd):
     [
         ("groups", "1 param groups, this optimizer has 2"),
         ("count", "param group 1: loaded state has 7 parameters, this optimizer has 8"),
-        ("shape", r"parameter 1: loaded exp_avg has shape \(16, 9\), the parameter has shape \(16, 8\)"),
+        ("shape", r"parameter 1: loaded state exp_avg has shape \(16, 9\), the parameter has shape \(16, 8\)"),
         ("missing", "parameter 3: loaded state has no 'exp_avg_sq'"),
     ],
 )

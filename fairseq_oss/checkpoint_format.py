@@ -1,0 +1,325 @@
+"""The checkpoint file: a ``torch.load``-able zip, written one record at a time.
+
+Owns the bytes on disk and nothing else (no collectives, no fairseq). A checkpoint is the
+zip that ``torch.save`` writes (``archive/data.pkl`` plus one ``archive/data/KEY`` record
+per storage, 64-byte aligned), written with :mod:`zipfile` so that a record can be
+*streamed*: the optimizer state arrives bucket by bucket from the other ranks and goes to
+disk as it comes, and no process ever holds it whole. Two additions, both ignored by
+``torch.load``:
+
+* ``archive/fairseq_oss.json``, the manifest: per record, its size and the CRC32 of each
+  ``CHUNK_BYTES`` chunk (computed while writing: no second read), and where each
+  parameter's Adam state lies, so that a rank can read and verify only its own slice;
+* the zip's own CRC32 fields are right, so ``unzip -t`` checks the file too.
+
+Writing is durable: a temporary file in the target's directory, fsync, rename, fsync of
+the directory. Until the rename, the previous checkpoint of that name is untouched.
+"""
+import collections
+import io
+import json
+import os
+import pickle
+import struct
+import sys
+import uuid
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+CHUNK_BYTES = 1 << 20
+MANIFEST = "fairseq_oss.json"
+FORMAT = "fairseq-oss/1"
+_PREFIX = "archive/"
+_ALIGN = 64
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and the first problem."""
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage written as record ``data/KEY`` before the pickle that refers to it."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+class StreamedTensor:
+    """Stands in, in the object given to :meth:`CheckpointWriter.finish`, for a tensor
+    whose bytes are already in the file: it pickles exactly as a tensor that views
+    ``ref`` at element ``offset`` does, so ``torch.load`` returns a plain tensor."""
+
+    __slots__ = ("ref", "offset", "shape")
+
+    def __init__(self, ref: StorageRef, offset: int, shape):
+        self.ref, self.offset, self.shape = ref, offset, tuple(shape)
+
+    def __reduce_ex__(self, protocol):
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= n
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (self.ref, self.offset, self.shape, tuple(reversed(stride)), False, collections.OrderedDict()),
+        )
+
+
+def _storage_type(dtype: torch.dtype):
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+class _ChunkedCrc:
+    def __init__(self):
+        self.crcs: List[int] = []
+        self._crc = 0
+        self._filled = 0
+        self.nbytes = 0
+
+    def update(self, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data):
+            take = min(len(data) - pos, CHUNK_BYTES - self._filled)
+            self._crc = zlib.crc32(data[pos : pos + take], self._crc)
+            self._filled += take
+            pos += take
+            if self._filled == CHUNK_BYTES:
+                self.crcs.append(self._crc)
+                self._crc, self._filled = 0, 0
+        self.nbytes += len(data)
+
+    def close(self) -> List[int]:
+        if self._filled:
+            self.crcs.append(self._crc)
+            self._crc, self._filled = 0, 0
+        return self.crcs
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class CheckpointWriter:
+    """Writes one checkpoint. Use: :meth:`stream` records (optional), then :meth:`finish`
+    with the object to pickle; or :meth:`abort`. Only the writing rank creates one."""
+
+    def __init__(self, directory: str):
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.tmp_path = os.path.join(directory, f".fairseq-oss-{uuid.uuid4().hex}.tmp")
+        self._file = open(self.tmp_path, "wb")
+        self._zip = zipfile.ZipFile(self._file, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._next_key = 0
+        self.records: Dict[str, Dict] = {}
+        self.extra_manifest: Dict = {}
+
+    def new_key(self) -> str:
+        key = str(self._next_key)
+        self._next_key += 1
+        return key
+
+    def _zipinfo(self, name: str) -> zipfile.ZipInfo:
+        info = zipfile.ZipInfo(_PREFIX + name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        # local header (30) + name + zip64 extra (20) + our padding field (4 + pad)
+        header = 30 + len(info.filename.encode()) + 20 + 4
+        pad = (-(self._file.tell() + header)) % _ALIGN
+        info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB", as torch pads
+        return info
+
+    def stream(self, name: str):
+        """A writable record: ``with writer.stream('data/0') as w: w.write(tensor)``."""
+        return _RecordStream(self, name)
+
+    def write_record(self, name: str, data) -> None:
+        with self.stream(name) as w:
+            w.write(data)
+
+    def finish(self, obj, path: str) -> None:
+        """Pickle ``obj`` (tensors become records, :class:`StreamedTensor` refer to
+        streamed ones), write the manifest, and commit the file durably at ``path``."""
+        storages: Dict[str, torch.UntypedStorage] = {}
+        ids: Dict[int, str] = {}
+
+        def persistent_id(o):
+            if isinstance(o, StorageRef):
+                return ("storage", _storage_type(o.dtype), o.key, "cpu", o.numel)
+            if isinstance(o, torch.storage.TypedStorage):
+                untyped = o._untyped_storage
+                key = ids.get(untyped._cdata)
+                if key is None:
+                    key = ids[untyped._cdata] = self.new_key()
+                    storages[key] = untyped
+                return ("storage", getattr(torch, o._pickle_storage_type()), key, "cpu", o._size())
+            if torch.is_storage(o):
+                raise TypeError("untyped storages are not supported in checkpoints")
+            return None
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, o):
+                return persistent_id(o)
+
+        buf = io.BytesIO()
+        Pickler(buf, protocol=2).dump(obj)
+        self.write_record("data.pkl", buf.getvalue())
+        self.write_record(".format_version", b"1")
+        self.write_record(".storage_alignment", str(_ALIGN).encode())
+        self.write_record("byteorder", sys.byteorder.encode())
+        for key, storage in storages.items():
+            t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            self.write_record(f"data/{key}", t)
+        self.write_record("version", b"3\n")
+        manifest = {"format": FORMAT, "chunk_bytes": CHUNK_BYTES, "records": self.records, **self.extra_manifest}
+        self.write_record(MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+        self._zip.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        commit(self.tmp_path, path)
+
+    def abort(self) -> None:
+        try:
+            self._zip.close()
+            self._file.close()
+        finally:
+            if os.path.exists(self.tmp_path):
+                os.remove(self.tmp_path)
+
+
+class _RecordStream:
+    def __init__(self, writer: CheckpointWriter, name: str):
+        self.writer, self.name = writer, name
+        self._crc = _ChunkedCrc()
+
+    def __enter__(self):
+        self._out = self.writer._zip.open(self.writer._zipinfo(self.name), "w", force_zip64=True)
+        return self
+
+    def write(self, data) -> None:
+        if isinstance(data, torch.Tensor):
+            data = _bytes_of(data)
+        elif isinstance(data, (bytes, bytearray)):
+            data = memoryview(data)
+        self._crc.update(data)
+        self._out.write(data)
+
+    def __exit__(self, *exc):
+        self._out.close()
+        if exc[0] is None:
+            self.writer.records[self.name] = {"nbytes": self._crc.nbytes, "crc32": self._crc.close()}
+        return False
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp_path: str, path: str) -> None:
+    """Rename a fully written, fsynced file into place and make the rename durable."""
+    os.replace(tmp_path, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """Make ``dst`` the same file as ``src``: a hard link where the file system allows,
+    a copy where not; atomically, through a temporary name in ``dst``'s directory."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".fairseq-oss-{uuid.uuid4().hex}.tmp")
+    try:
+        os.link(src, tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    commit(tmp, dst)
+
+
+# ---------------------------------------------------------------------- reading
+
+
+class CheckpointReader:
+    """Opens a checkpoint for sliced reads: record offsets, the manifest (None for a file
+    that ``torch.save`` wrote) and CRC verification of byte ranges."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._zip = torch._C.PyTorchFileReader(path)
+        except Exception as e:  # truncated, not a zip, ...
+            raise CheckpointError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
+        records = self._zip.get_all_records()
+        self.manifest: Optional[Dict] = None
+        if MANIFEST in records:
+            self.manifest = json.loads(bytes(self._zip.get_record(MANIFEST)).decode())
+            if self.manifest.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: unknown fairseq-oss format {self.manifest.get('format')!r}")
+        self._verified = set()
+
+    def record_offset(self, name: str) -> int:
+        return self._zip.get_record_offset(name)
+
+    def verify(self, name: str, start: int = 0, end: Optional[int] = None) -> None:
+        """Check the CRC of every chunk of record ``name`` that bytes ``[start, end)`` touch.
+        No-op without a manifest.
+
+        Raises:
+            CheckpointError: on a mismatch or a record shorter than recorded.
+        """
+        if self.manifest is None:
+            return
+        meta = self.manifest["records"].get(name)
+        if meta is None:
+            raise CheckpointError(f"{self.path}: record {name} is missing from the manifest")
+        chunk = self.manifest["chunk_bytes"]
+        end = meta["nbytes"] if end is None else end
+        if end <= start:
+            return
+        offset = self.record_offset(name)
+        with open(self.path, "rb") as f:
+            for c in range(start // chunk, (end - 1) // chunk + 1):
+                if (name, c) in self._verified:
+                    continue
+                want = min(chunk, meta["nbytes"] - c * chunk)
+                data = os.pread(f.fileno(), want, offset + c * chunk)
+                if len(data) != want or zlib.crc32(data) != meta["crc32"][c]:
+                    raise CheckpointError(
+                        f"{self.path}: checksum mismatch in record {name}, bytes "
+                        f"{c * chunk}-{c * chunk + want} (the file is corrupted or truncated)"
+                    )
+                self._verified.add((name, c))
+
+    def verify_all_except(self, skip) -> None:
+        """Verify every record listed in the manifest but those in ``skip``."""
+        if self.manifest is None:
+            return
+        for name in self.manifest["records"]:
+            if name not in skip:
+                self.verify(name)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def load_mmap(path: str):
+    """``torch.load`` with tensors mapped from the file, not read: a tensor's pages are
+    read when touched. Raises CheckpointError naming the file on failure."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be loaded ({_first_line(e)})") from None
+
