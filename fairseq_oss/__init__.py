@@ -21,11 +21,13 @@ _TRIGGER = "fairseq"
 
 
 def register():
-    """Register ``oss_adam`` with fairseq and apply the compatibility fixes. Idempotent.
+    """Register ``oss_adam`` with fairseq and apply the compatibility fixes and the
+    checkpoint path. Idempotent.
 
     Each is done by importing its module, so that it also happens when one of them is
     what imported fairseq (the hook then fires while that module is half-imported, and
     the module finishes the job itself)."""
+    import fairseq_oss.checkpointing  # noqa: F401
     import fairseq_oss.compat  # noqa: F401
     import fairseq_oss.optimizer  # noqa: F401
 

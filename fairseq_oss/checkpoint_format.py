@@ -41,6 +41,30 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and the first problem."""
 
 
+class OptimizerStateFile:
+    """Stands in for ``last_optimizer_state`` between fairseq's load and the optimizer's
+    ``load_state_dict``: the checkpoint's path and how to read it. It is no dict, so that
+    fairseq's ``broadcast_object`` passes it on as it is; it answers ``in`` and ``[]`` for
+    the state's small top-level entries other than ``state`` and ``param_groups`` (e.g.
+    ``loss_scale``, which fairseq's FP16Optimizer reads)."""
+
+    def __init__(self, path, verify=True, shared_fs=True, extras=None):
+        self.path, self.verify, self.shared_fs = path, verify, shared_fs
+        self.extras = dict(extras or {})
+
+    def __contains__(self, key):
+        return key in self.extras
+
+    def __getitem__(self, key):
+        return self.extras[key]
+
+    def get(self, key, default=None):
+        return self.extras.get(key, default)
+
+    def __repr__(self):
+        return f"OptimizerStateFile({self.path!r})"
+
+
 @dataclass(frozen=True)
 class StorageRef:
     """A storage written as record ``data/KEY`` before the pickle that refers to it."""

@@ -67,6 +67,8 @@ def gather_shards(
     .. warning:: Collective: call on all ranks.
     """
     padded = local
+    if world_size == 1:
+        return local
     if local.numel() != shard_numel:
         padded = local.new_zeros(shard_numel)
         padded[: local.numel()].copy_(local)

@@ -29,6 +29,17 @@ class FairseqOSSAdamConfig(FairseqAdamConfig):
             "they need"
         },
     )
+    oss_skip_checksums: bool = field(
+        default=False,
+        metadata={"help": "do not verify the checksums of a fairseq-oss checkpoint when loading it"},
+    )
+    oss_no_shared_fs: bool = field(
+        default=False,
+        metadata={
+            "help": "ranks do not share a file system: rank 0 reads the checkpoint and sends each "
+            "rank its slice of the optimizer state, one bucket at a time"
+        },
+    )
 
 
 @register_optimizer("oss_adam", dataclass=FairseqOSSAdamConfig)
@@ -72,3 +83,9 @@ class FairseqOSSAdam(FairseqOptimizer):
 
     def average_params(self):
         raise NotImplementedError("oss_adam does not support BMUF")
+
+
+# fairseq records the optimizer's class name in checkpoints and refuses to resume one
+# whose name differs. An oss_adam checkpoint holds FairseqAdam's state in FairseqAdam's
+# format, so it says so: stock adam resumes it, and it resumes stock adam's.
+FairseqOSSAdam.__name__ = FairseqOSSAdam.__qualname__ = "FairseqAdam"

@@ -23,7 +23,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from fairseq_oss import collectives
-from fairseq_oss.checkpoint_format import CheckpointError, CheckpointReader, StorageRef, StreamedTensor, load_mmap
+from fairseq_oss.checkpoint_format import (
+    CheckpointError,
+    CheckpointReader,
+    OptimizerStateFile,
+    StorageRef,
+    StreamedTensor,
+    load_mmap,
+)
 from fairseq_oss.partition import Bucket, ParamSpec, Partition, partition
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -414,11 +421,19 @@ class ShardedAdam(torch.optim.Optimizer):
         keeps the slices of its own shard. Hyperparameters come from the saved groups, as
         with ``torch.optim``; the caller's dict is not modified.
 
+        An :class:`~fairseq_oss.checkpoint_format.OptimizerStateFile` (what fairseq hands
+        over when it loads a checkpoint for oss_adam) is read with
+        :meth:`load_from_checkpoint`, which is collective.
+
         Raises:
             ValueError: if the groups, parameter counts or state shapes do not match this
                 optimizer's parameters; the message names the first mismatch. Nothing is
                 changed then.
         """
+        if isinstance(state_dict, OptimizerStateFile):
+            return self.load_from_checkpoint(
+                state_dict.path, verify=state_dict.verify, shared_fs=state_dict.shared_fs
+            )
         steps = self._validate(state_dict)
         entries = [state_dict["state"].get(sid) for sid in self._saved_ids]
         self._copy_slices(lambda i, key, start, end: entries[i][key].reshape(-1)[start:end], steps)

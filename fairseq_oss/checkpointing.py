@@ -1,0 +1,228 @@
+"""fairseq's save and load path for ``oss_adam``: streamed save, sliced load, integrity.
+
+Owns the places where fairseq's checkpointing meets the sharded optimizer (see
+``shared/notes/fairseq-integration.md`` for fairseq's side). Each patch below does
+nothing unless the trainer's optimizer is a :class:`~fairseq_oss.sharded_adam.ShardedAdam`
+(``cfg.optimizer._name == "oss_adam"`` on the load side, before it is built). Importing
+this module applies them.
+
+Save, in fairseq's order:
+
+1. ``Trainer.consolidate_optimizer()`` (all ranks): rank 0 opens a
+   :class:`~fairseq_oss.checkpoint_format.CheckpointWriter` in the save directory and the
+   ranks stream the Adam state into it, one bucket at a time.
+2. ``Trainer.state_dict()`` (rank 0): the optimizer's entry holds placeholders.
+3. ``checkpoint_utils.torch_persistent_save`` (rank 0): the writer pickles the rest,
+   writes the manifest and renames the file into place (fsync'd).
+4. ``PathManager.copy`` of that file to ``checkpoint_last.pt`` etc.: a hard link.
+
+Load:
+
+1. ``Trainer.load_checkpoint`` (all ranks): rank 0 checks that the file opens and that
+   every record outside the optimizer state matches its checksum; every rank learns the
+   verdict, so a bad file stops all ranks with the same message instead of hanging them.
+2. ``checkpoint_utils.load_checkpoint_to_cpu`` (rank 0): the file is mapped, not read,
+   and its optimizer state is replaced by an :class:`OptimizerStateFile` handle, so
+   fairseq broadcasts no optimizer state.
+3. ``optimizer.load_state_dict(handle)`` (all ranks): each rank maps the file and copies
+   its own slices (``ShardedAdam.load_from_checkpoint``).
+"""
+import atexit
+import logging
+import os
+import sys
+import threading
+
+from fairseq import checkpoint_utils
+from fairseq.trainer import Trainer
+from omegaconf import OmegaConf
+
+from fairseq_oss import collectives
+from fairseq_oss.checkpoint_format import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    OptimizerStateFile,
+    link_or_copy,
+    load_mmap,
+)
+from fairseq_oss.sharded_adam import UNAVAILABLE, ShardedAdam
+
+logger = logging.getLogger(__name__)
+
+_ORIGINAL = {}
+_STATE = threading.local()
+_WRITTEN = set()  # absolute paths of files this process wrote with a CheckpointWriter
+
+
+def sharded_optimizer(trainer):
+    """The trainer's ShardedAdam, or None (without building the optimizer)."""
+    opt = getattr(trainer, "_optimizer", None)
+    try:
+        inner = opt.optimizer if opt is not None else None
+    except (NotImplementedError, ValueError, AttributeError):
+        return None
+    return inner if isinstance(inner, ShardedAdam) else None
+
+
+def _uses_oss_adam(trainer) -> bool:
+    name = OmegaConf.select(trainer.cfg, "optimizer._name") if OmegaConf.is_config(trainer.cfg) else None
+    return name == "oss_adam" or sharded_optimizer(trainer) is not None
+
+
+def _options(trainer):
+    opt_cfg = trainer.cfg.optimizer
+    return {
+        "verify": not bool(getattr(opt_cfg, "oss_skip_checksums", False)),
+        "shared_fs": not bool(getattr(opt_cfg, "oss_no_shared_fs", False)),
+    }
+
+
+def _take_pending():
+    writer = getattr(_STATE, "pending", None)
+    _STATE.pending = None
+    return writer
+
+
+def _abort_pending():
+    writer = _take_pending()
+    if writer is not None:
+        writer.abort()
+
+
+atexit.register(_abort_pending)
+
+
+# ---------------------------------------------------------------------- save
+
+
+def consolidate_optimizer(self):
+    inner = sharded_optimizer(self)
+    if inner is None or self.cfg.checkpoint.no_save_optimizer_state:
+        return _ORIGINAL["consolidate_optimizer"](self)
+    self._gathered_optim_state = None
+    _abort_pending()
+    writer = None
+    if self.data_parallel_rank == 0 and sys.exc_info()[0] is None:
+        writer = CheckpointWriter(self.cfg.checkpoint.save_dir)
+    try:
+        inner.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    _STATE.pending = writer
+
+
+def torch_persistent_save(obj, filename, async_write: bool = False):
+    writer = _take_pending()
+    if isinstance(obj, dict) and obj.get("last_optimizer_state") is UNAVAILABLE:
+        logger.warning(
+            "%s is written without optimizer state: it was requested while an exception was "
+            "being handled (possibly on one rank only), where gathering the sharded state "
+            "could hang the other ranks", filename,
+        )
+        obj = {k: v for k, v in obj.items() if k != "last_optimizer_state"}
+    if writer is None:
+        return _ORIGINAL["torch_persistent_save"](obj, filename, async_write)
+    if async_write:
+        logger.info("oss_adam writes %s synchronously (its state streams from all ranks)", filename)
+    try:
+        writer.finish(obj, filename)
+    except BaseException:
+        writer.abort()
+        raise
+    _WRITTEN.add(os.path.abspath(filename))
+
+
+class _LinkingPathManager:
+    """fairseq's PathManager, but ``copy`` of a file this process wrote is a hard link."""
+
+    def __init__(self, path_manager):
+        self._pm = path_manager
+
+    def __getattr__(self, name):
+        return getattr(self._pm, name)
+
+    def copy(self, src_path, dst_path, overwrite=False, **kwargs):
+        if os.path.abspath(src_path) in _WRITTEN and (overwrite or not os.path.exists(dst_path)):
+            link_or_copy(src_path, dst_path)
+            _WRITTEN.add(os.path.abspath(dst_path))
+            return True
+        return self._pm.copy(src_path, dst_path, overwrite, **kwargs)
+
+
+# ---------------------------------------------------------------------- load
+
+
+def load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
+    if not _uses_oss_adam(self) or not os.path.isfile(filename):
+        return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
+    world_size = self.data_parallel_world_size
+    group = self.data_parallel_process_group if world_size > 1 else None
+    error = None
+    if self.data_parallel_rank == 0 or self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks:
+        try:
+            _preflight(filename, verify=_options(self)["verify"])
+        except CheckpointError as e:
+            error = str(e)
+    errors = collectives.all_gather_objects(error, group, world_size)
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        raise CheckpointError(first)
+    _STATE.loading = (os.path.abspath(filename), None if reset_optimizer else _options(self))
+    try:
+        return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
+    finally:
+        _STATE.loading = None
+
+
+def _preflight(path, verify):
+    """The file opens as a zip, and every record outside the optimizer state has the
+    checksum the manifest recorded (the optimizer's slices are checked by their readers)."""
+    reader = CheckpointReader(path)
+    if verify and reader.manifest is not None:
+        optimizer_records = {
+            record for views in reader.manifest.get("optimizer_views", {}).values() for record, _ in views.values()
+        }
+        reader.verify_all_except(optimizer_records)
+
+
+def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+    loading = getattr(_STATE, "loading", None)
+    if loading is None or arg_overrides is not None or os.path.abspath(path) != loading[0]:
+        return _ORIGINAL["load_checkpoint_to_cpu"](path, arg_overrides, load_on_all_ranks)
+    state = load_mmap(path)
+    has_optimizer_state = isinstance(state.get("last_optimizer_state"), dict)
+    if state.get("cfg") is not None:
+        state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
+    state = checkpoint_utils._upgrade_state_dict(state)
+    options = loading[1]
+    if options is not None and has_optimizer_state:
+        saved = state["last_optimizer_state"]
+        extras = {k: v for k, v in saved.items() if k not in ("state", "param_groups")}
+        state["last_optimizer_state"] = OptimizerStateFile(path, extras=extras, **options)
+    return state
+
+
+# ---------------------------------------------------------------------- install
+
+_PATCHES = [
+    (Trainer, "consolidate_optimizer", consolidate_optimizer),
+    (Trainer, "load_checkpoint", load_checkpoint),
+    (checkpoint_utils, "torch_persistent_save", torch_persistent_save),
+    (checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu),
+]
+
+
+def apply() -> None:
+    """Install the patches once; later calls do nothing. Importing this module calls it."""
+    for owner, name, replacement in _PATCHES:
+        if name not in _ORIGINAL:
+            _ORIGINAL[name] = getattr(owner, name)
+            setattr(owner, name, replacement)
+    if not isinstance(checkpoint_utils.PathManager, _LinkingPathManager):
+        checkpoint_utils.PathManager = _LinkingPathManager(checkpoint_utils.PathManager)
+
+
+apply()
