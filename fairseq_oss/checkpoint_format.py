@@ -326,6 +326,43 @@ class CheckpointReader:
                     )
                 self._verified.add((name, c))
 
+    def read_into(self, name: str, start: int, end: int, out: torch.Tensor, verify: bool = True) -> None:
+        """Read bytes ``[start, end)`` of record ``name`` into the contiguous CPU tensor
+        ``out``, reading chunk by chunk; with ``verify`` and a manifest, each chunk's CRC
+        is checked on the bytes read (no second read). Memory: one chunk.
+
+        Raises:
+            CheckpointError: on a checksum mismatch or a short read.
+        """
+        dst = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        if len(dst) != end - start:
+            raise ValueError(f"read_into: {end - start} bytes into a buffer of {len(dst)}")
+        offset = self.record_offset(name)
+        meta = (self.manifest or {}).get("records", {}).get(name) if verify else None
+        if verify and self.manifest is not None and meta is None:
+            raise CheckpointError(f"{self.path}: record {name} is missing from the manifest")
+        chunk = self.manifest["chunk_bytes"] if meta is not None else max(end - start, 1)
+        with open(self.path, "rb") as f:
+            pos = start
+            while pos < end:
+                c = pos // chunk
+                c_start, c_end = c * chunk, min((c + 1) * chunk, meta["nbytes"] if meta else end)
+                hi = min(end, c_end)
+                if meta is not None and (name, c) not in self._verified:
+                    data = os.pread(f.fileno(), c_end - c_start, offset + c_start)
+                    if len(data) != c_end - c_start or zlib.crc32(data) != meta["crc32"][c]:
+                        raise CheckpointError(
+                            f"{self.path}: checksum mismatch in record {name}, bytes {c_start}-{c_end} "
+                            "(the file is corrupted or truncated)"
+                        )
+                    self._verified.add((name, c))
+                    dst[pos - start : hi - start] = data[pos - c_start : hi - c_start]
+                else:
+                    n = os.preadv(f.fileno(), [dst[pos - start : hi - start]], offset + pos)
+                    if n != hi - pos:
+                        raise CheckpointError(f"{self.path}: record {name} is truncated")
+                pos = hi
+
     def verify_all_except(self, skip) -> None:
         """Verify every record listed in the manifest but those in ``skip``."""
         if self.manifest is None:

@@ -5,7 +5,7 @@ the per-bucket gather of a consolidation. Each function here is collective: ever
 the group calls it, in the same order, with buckets of the same layout. Nothing here is
 pickled: only tensors move. With one process they do no communication.
 """
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,44 +57,54 @@ def wait(work) -> None:
 
 
 def gather_shards(
-    local: torch.Tensor, shard_numel: int, recipient: int, group, world_size: int
+    local: torch.Tensor, ranges: Sequence[Tuple[int, int]], recipient: int, group, out: Optional[torch.Tensor]
 ) -> Optional[torch.Tensor]:
-    """Gather every rank's ``local`` shard (at most ``shard_numel`` elements, padded to it)
-    on rank ``recipient`` of ``group``. Returns the ``world_size * shard_numel`` elements
-    there, shards end to end, and None elsewhere. Peak extra memory: one bucket on the
-    recipient, one shard on the others.
+    """Gather every rank's ``local`` shard into ``out`` on rank ``recipient`` of ``group``:
+    rank ``r``'s elements land at ``out[ranges[r][0]:ranges[r][1]]``. Returns ``out``
+    trimmed to the bucket on the recipient, None elsewhere. Point to point, exact sizes,
+    straight into ``out`` (which the caller reuses): no padding, no temporary buffers, so
+    the recipient's memory rises by ``out`` alone and the others' not at all.
 
     .. warning:: Collective: call on all ranks.
     """
-    padded = local
-    if world_size == 1:
-        return local
-    if local.numel() != shard_numel:
-        padded = local.new_zeros(shard_numel)
-        padded[: local.numel()].copy_(local)
-    rank = dist.get_rank(group)
-    out = None
-    gather_list = None
+    world_size, rank = world_size_and_rank(group)
+    numel = ranges[-1][1]
     if rank == recipient:
-        out = local.new_empty(world_size * shard_numel)
-        gather_list = list(out.chunk(world_size))
-    dist.gather(padded, gather_list, dst=_global_rank(group, recipient), group=group)
-    return out
+        start, end = ranges[rank]
+        out[start:end].copy_(local)
+        works = [
+            dist.irecv(out[s:e], src=_global_rank(group, r), group=group)
+            for r, (s, e) in enumerate(ranges)
+            if r != rank and e > s
+        ]
+        for w in works:
+            w.wait()
+        return out[:numel]
+    if local.numel():
+        dist.send(local, dst=_global_rank(group, recipient), group=group)
+    return None
 
 
-def scatter_shards(full: Optional[torch.Tensor], like: torch.Tensor, shard_numel: int, group, world_size: int):
-    """Rank 0 of ``group`` sends shard ``r`` of ``full`` (``world_size`` shards of
-    ``shard_numel`` elements end to end) to rank ``r``; returns this rank's shard, with
-    the dtype and device of ``like``. ``full`` is read on rank 0 only (None elsewhere).
+def scatter_shards(
+    full: Optional[torch.Tensor], ranges: Sequence[Tuple[int, int]], local: torch.Tensor, group
+) -> None:
+    """The reverse of :func:`gather_shards` from rank 0: rank ``r`` receives
+    ``full[ranges[r][0]:ranges[r][1]]`` into ``local``. ``full`` is read on rank 0 only.
 
     .. warning:: Collective: call on all ranks.
     """
-    if world_size == 1:
-        return full
-    out = torch.empty(shard_numel, dtype=like.dtype, device=like.device)
-    chunks = list(full.chunk(world_size)) if dist.get_rank(group) == 0 else None
-    dist.scatter(out, chunks, src=_global_rank(group, 0), group=group)
-    return out
+    world_size, rank = world_size_and_rank(group)
+    if rank == 0:
+        works = [
+            dist.isend(full[s:e].contiguous(), dst=_global_rank(group, r), group=group)
+            for r, (s, e) in enumerate(ranges)
+            if r != 0 and e > s
+        ]
+        local.copy_(full[ranges[0][0] : ranges[0][1]])
+        for w in works:
+            w.wait()
+    elif local.numel():
+        dist.recv(local, src=_global_rank(group, 0), group=group)
 
 
 def broadcast_object(obj, group, world_size: int):

@@ -259,10 +259,11 @@ class ShardedAdam(torch.optim.Optimizer):
                         "exp_avg": torch.empty(p.shape, dtype=dtype, device=p.device),
                         "exp_avg_sq": torch.empty(p.shape, dtype=dtype, device=p.device),
                     }
+        out = self._bucket_buffers() if is_recipient else {}
         for b in self.partition.buckets:
             for key, local in self._state_keys():
                 gathered = collectives.gather_shards(
-                    local[b.index], b.shard_numel, recipient_rank, self.process_group, self.world_size
+                    local[b.index], self._ranges(b), recipient_rank, self.process_group, out.get(b.kind)
                 )
                 if is_recipient:
                     for pc in b.pieces:
@@ -276,11 +277,23 @@ class ShardedAdam(torch.optim.Optimizer):
     def _state_keys(self):
         return (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq))
 
+    def _ranges(self, bucket: Bucket):
+        return [bucket.shard_range(r) for r in range(self.world_size)]
+
+    def _bucket_buffers(self) -> Dict[str, torch.Tensor]:
+        """One bucket of state per kind, reused by every gather or scatter of a pass."""
+        out = {}
+        for bi, b in enumerate(self.partition.buckets):
+            size = max(b.numel, out[b.kind].numel() if b.kind in out else 0)
+            out[b.kind] = self._exp_avg[bi].new_empty(size)
+        return out
+
     def _stream_state(self, recipient_rank: int, writer) -> Optional[Dict]:
         """Gather segment by segment, key by key, bucket by bucket; the recipient writes."""
         placeholders: Dict[int, Dict] = {}
         views: Dict[str, Dict[str, list]] = {}
         error = None
+        out_buffers = self._bucket_buffers() if self.rank == recipient_rank else {}
         for seg in self.partition.segments():
             p0 = self._params[seg.param_offsets[0][0]] if seg.param_offsets else None
             dtype = _state_dtype(p0.dtype) if p0 is not None else torch.float32
@@ -295,7 +308,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 for bi in seg.buckets:
                     b = self.partition.buckets[bi]
                     gathered = collectives.gather_shards(
-                        local[b.index], b.shard_numel, recipient_rank, self.process_group, self.world_size
+                        local[b.index], self._ranges(b), recipient_rank, self.process_group, out_buffers.get(b.kind)
                     )
                     if out is not None and error is None:
                         try:
@@ -436,12 +449,13 @@ class ShardedAdam(torch.optim.Optimizer):
             )
         steps = self._validate(state_dict)
         entries = [state_dict["state"].get(sid) for sid in self._saved_ids]
-        self._copy_slices(lambda i, key, start, end: entries[i][key].reshape(-1)[start:end], steps)
+        self._copy_slices(lambda i, k, start, end, dst: dst.copy_(entries[i][k].reshape(-1)[start:end]), steps)
         self._apply_groups(state_dict["param_groups"])
 
-    def _copy_slices(self, read, steps: List[int]) -> None:
-        """Fill this rank's shards: ``read(param, key, start, end)`` gives elements
-        ``[start, end)`` of the parameter's flattened state; zeros where it has none."""
+    def _copy_slices(self, fill, steps: List[int]) -> None:
+        """Fill this rank's shards: ``fill(param, key, start, end, dst)`` writes elements
+        ``[start, end)`` of the parameter's flattened state into ``dst``; zeros where it
+        has no state."""
         for i in range(len(self._params)):
             for bi, pc in self._param_shards.get(i, []):
                 for key, local in self._state_keys():
@@ -449,7 +463,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     if steps[i] == 0:
                         dst.zero_()
                     else:
-                        dst.copy_(read(i, key, pc.param_offset, pc.param_offset + pc.numel))
+                        fill(i, key, pc.param_offset, pc.param_offset + pc.numel, dst)
         self._steps = steps
 
     def _apply_groups(self, saved_groups) -> None:
@@ -461,56 +475,66 @@ class ShardedAdam(torch.optim.Optimizer):
     def load_from_checkpoint(self, path: str, key: str = "last_optimizer_state", verify: bool = True,
                              shared_fs: bool = True) -> None:
         """Load the state stored under ``key`` of the checkpoint at ``path``, reading only
-        this rank's slices: the file is mapped (``torch.load(mmap=True)``), so a rank's
-        memory rises by its own shard, never the full state. With a fairseq-oss manifest
-        and ``verify``, the CRC of every chunk read is checked. With ``shared_fs=False``
-        (ranks do not see the same files) rank 0 reads and sends each rank its slices,
-        one bucket at a time.
+        this rank's slices, straight into its shards: a rank's memory rises by its own
+        shard, never the full state, and no state is broadcast. A fairseq-oss file is read
+        by offset (its manifest says where each parameter's state lies) and, with
+        ``verify``, the CRC of every chunk read is checked; another ``torch.save`` file is
+        mapped (``torch.load(mmap=True)``) and sliced. With ``shared_fs=False`` (ranks do
+        not see the same files) rank 0 reads and sends each rank its slices, one bucket at
+        a time.
 
         Raises:
             CheckpointError: on every rank, if any rank found the file unreadable,
-                corrupted, or not matching this optimizer; nothing is changed then.
+                corrupted, or not matching this optimizer; the state is then unusable and
+                the caller must not train on (fairseq stops).
 
         .. warning:: Collective: call on all ranks.
         """
-        error, state, reader, steps = None, None, None, None
+        error, fill, steps, groups = None, None, None, None
         reads = shared_fs or self.rank == 0
-        try:
-            if reads:
-                reader = CheckpointReader(path)
-                ckpt = load_mmap(path)
-                state = ckpt.get(key) if isinstance(ckpt, dict) else None
-                if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
-                    raise CheckpointError(f"{path}: no optimizer state under '{key}'")
-                try:
-                    steps = self._validate(state, source=f"{path}")
-                except ValueError as e:
-                    raise CheckpointError(f"{path}: {e}") from None
-        except CheckpointError as e:
-            error = str(e)
+        if reads:
+            try:
+                fill, steps, groups = self._open_state(path, key, verify)
+            except CheckpointError as e:
+                error = str(e)
         self._agree(error)
         if shared_fs:
-            views = (reader.manifest or {}).get("optimizer_views") if verify else None
-            entries = [state["state"].get(sid) for sid in self._saved_ids]
-
-            def read(i, k, start, end):
-                t = entries[i][k]
-                if views is not None:
-                    record, offset = views[str(i)][k]
-                    size = t.element_size()
-                    reader.verify(record, (offset + start) * size, (offset + end) * size)
-                return t.reshape(-1)[start:end]
-
             try:
-                self._copy_slices(read, steps)
+                self._copy_slices(fill, steps)
             except CheckpointError as e:
                 error = str(e)
             self._agree(error)
         else:
-            self._scatter_from_rank0(state, reader if verify else None, steps if reads else None)
-        groups = collectives.broadcast_object(state["param_groups"] if reads else None, self.process_group,
-                                              self.world_size) if not shared_fs else state["param_groups"]
+            self._scatter_from_rank0(fill, steps)
+            groups = collectives.broadcast_object(groups, self.process_group, self.world_size)
         self._apply_groups(groups)
+
+    def _open_state(self, path: str, key: str, verify: bool):
+        """Validate the checkpoint's state against this optimizer; return a function that
+        fills ``dst`` with elements ``[start, end)`` of parameter ``i``'s state ``k``, the
+        steps and the saved param groups."""
+        reader = CheckpointReader(path)
+        ckpt = load_mmap(path)
+        state = ckpt.get(key) if isinstance(ckpt, dict) else None
+        if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+            raise CheckpointError(f"{path}: no optimizer state under '{key}'")
+        try:
+            steps = self._validate(state, source="the checkpoint")
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        entries = [state["state"].get(sid) for sid in self._saved_ids]
+        views = (reader.manifest or {}).get("optimizer_views")
+
+        def fill(i, k, start, end, dst):
+            t = entries[i][k]
+            if views is not None and t.dtype == dst.dtype:
+                record, offset = views[str(i)][k]
+                size = t.element_size()
+                reader.read_into(record, (offset + start) * size, (offset + end) * size, dst, verify)
+            else:
+                dst.copy_(t.reshape(-1)[start:end])
+
+        return fill, steps, state["param_groups"]
 
     def _agree(self, error: Optional[str]) -> None:
         """Raise on every rank if any rank has an error (collective)."""
@@ -519,41 +543,26 @@ class ShardedAdam(torch.optim.Optimizer):
         if first is not None:
             raise CheckpointError(first)
 
-    def _scatter_from_rank0(self, state, reader, steps) -> None:
-        """Rank 0 assembles each bucket of each key from the mapped file and scatters the
-        shards; the others receive theirs. One bucket in memory on rank 0."""
+    def _scatter_from_rank0(self, fill, steps) -> None:
+        """Rank 0 reads each bucket of each key from the file and scatters the shards; the
+        others receive theirs. One bucket in memory on rank 0."""
         steps = collectives.broadcast_object(steps, self.process_group, self.world_size)
-        entries = None
-        views = None
-        if self.rank == 0:
-            entries = [state["state"].get(sid) for sid in self._saved_ids]
-            views = (reader.manifest or {}).get("optimizer_views") if reader is not None else None
         error = None
+        buffers = self._bucket_buffers() if self.rank == 0 else {}
         for b in self.partition.buckets:
             for key, local in self._state_keys():
                 full = None
                 if self.rank == 0:
-                    full = local[b.index].new_zeros(b.shard_numel * self.world_size)
+                    full = buffers[b.kind][: b.numel].zero_()
                     for pc in b.pieces:
                         if steps[pc.param] == 0 or error is not None:
                             continue
-                        t = entries[pc.param][key]
                         try:
-                            if views is not None:
-                                record, offset = views[str(pc.param)][key]
-                                size = t.element_size()
-                                start = offset + pc.param_offset
-                                reader.verify(record, start * size, (start + pc.numel) * size)
+                            fill(pc.param, key, pc.param_offset, pc.param_offset + pc.numel,
+                                 full[pc.offset : pc.offset + pc.numel])
                         except CheckpointError as e:
                             error = str(e)
-                        full[pc.offset : pc.offset + pc.numel].copy_(
-                            t.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
-                        )
-                shard = collectives.scatter_shards(
-                    full, local[b.index], b.shard_numel, self.process_group, self.world_size
-                )
-                start, end = b.shard_range(self.rank)
-                local[b.index].copy_(shard[: end - start])
+                collectives.scatter_shards(full, self._ranges(b), local[b.index], self.process_group)
         self._agree(error)
         self._steps = steps
 

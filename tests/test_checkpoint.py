@@ -1,0 +1,272 @@
+"""The checkpoint file and the streamed save / sliced load, at 1, 2 and 3 ranks (gloo).
+
+Assumptions: a checkpoint written by ``CheckpointWriter`` must load with plain
+``torch.load`` (any mode) and hold exactly what fairseq's Adam would save; the optimizer
+state it holds depends on the training state only, not on the world size that saved it.
+"""
+import os
+import threading
+import time
+import zipfile
+
+import pytest
+import torch
+
+from checks import assert_same_state_dict
+from ranks import run_ranks
+from test_sharded_adam import SMALL_BUCKET, build, run_steps
+
+WORLD_SIZES = [1, 2, 3]
+
+
+# ---------------------------------------------------------------- single process
+
+
+def test_writer_output_is_a_valid_torch_checkpoint(tmp_path):
+    from fairseq_oss.checkpoint_format import CheckpointReader, CheckpointWriter, StorageRef, StreamedTensor
+
+    path = str(tmp_path / "c.pt")
+    w = CheckpointWriter(str(tmp_path))
+    ref = StorageRef(w.new_key(), torch.float32, 100)
+    data = torch.arange(100, dtype=torch.float32)
+    with w.stream(f"data/{ref.key}") as out:
+        out.write(data[:37])
+        out.write(data[37:])
+    emb = torch.randn(5, 3)
+    obj = {"model": {"a": emb, "tied": emb, "h": torch.ones(2, dtype=torch.float16)},
+           "opt": {"x": StreamedTensor(ref, 10, (3, 4)), "betas": (0.9, 0.98)}}
+    w.finish(obj, path)
+    assert zipfile.ZipFile(path).testzip() is None  # the zip's own CRCs are right
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    for mmap in (False, True):
+        for weights_only in (True, False):
+            got = torch.load(path, mmap=mmap, weights_only=weights_only)
+            assert torch.equal(got["model"]["a"], emb) and torch.equal(got["opt"]["x"], data[10:22].view(3, 4))
+            assert got["model"]["a"].data_ptr() == got["model"]["tied"].data_ptr()  # stored once
+            assert got["model"]["h"].dtype == torch.float16 and got["opt"]["betas"] == (0.9, 0.98)
+    reader = CheckpointReader(path)
+    assert all(reader.record_offset(n) % 64 == 0 for n in reader.manifest["records"])
+    reader.verify_all_except(set())
+
+
+def test_link_or_copy_shares_bytes_and_survives_deletion(tmp_path):
+    from fairseq_oss.checkpoint_format import link_or_copy
+
+    src, dst = tmp_path / "a.pt", tmp_path / "b.pt"
+    src.write_bytes(b"x" * 100)
+    dst.write_bytes(b"old")
+    link_or_copy(str(src), str(dst))
+    assert os.stat(src).st_ino == os.stat(dst).st_ino and dst.read_bytes() == b"x" * 100
+    src.unlink()
+    assert dst.read_bytes() == b"x" * 100
+
+
+# ---------------------------------------------------------------- multi-rank jobs
+
+
+def save_job(rank, world_size, path, bucket_bytes, steps=10):
+    from fairseq_oss.checkpoint_format import CheckpointWriter
+
+    model, opt, ref, ref_opt = build(bucket_bytes)
+    run_steps(model, opt, 1, steps)
+    run_steps(ref, ref_opt, 1, steps)
+    writer = CheckpointWriter(os.path.dirname(path)) if rank == 0 else None
+    opt.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True)
+    if rank == 0:
+        writer.finish({"model": model.state_dict(), "last_optimizer_state": opt.state_dict(),
+                       "ref_optimizer": ref_opt.state_dict(), "ref_model": ref.state_dict()}, path)
+    return None
+
+
+def resume_job(rank, world_size, path, bucket_bytes, shared_fs=True):
+    model, opt, ref, ref_opt = build(bucket_bytes)
+    ckpt = torch.load(path, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    ref.load_state_dict(ckpt["ref_model"])
+    opt.load_from_checkpoint(path, shared_fs=shared_fs)
+    ref_opt.load_state_dict(ckpt["ref_optimizer"])
+    run_steps(model, opt, 11, 15)
+    run_steps(ref, ref_opt, 11, 15)
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The same training state saved, streamed, at world sizes 1, 2 and 3."""
+    root = tmp_path_factory.mktemp("saved")
+    paths = {}
+    for ws in WORLD_SIZES:
+        paths[ws] = str(root / f"ws{ws}.pt")
+        run_ranks(ws, save_job, paths[ws], SMALL_BUCKET)
+    return paths
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_streamed_state_is_plain_adam_state(saved, world_size):
+    ckpt = torch.load(saved[world_size], weights_only=True)
+    assert_same_state_dict(ckpt["last_optimizer_state"], ckpt["ref_optimizer"])
+
+
+def test_same_bytes_whatever_world_size_saved(saved):
+    """Deterministic: the files (optimizer state, and here everything else too) are
+    byte-identical when saved at 1, 2 or 3 ranks."""
+    blobs = {ws: open(p, "rb").read() for ws, p in saved.items()}
+    assert blobs[1] == blobs[2] == blobs[3]
+
+
+@pytest.mark.parametrize("save_ws, load_ws, shared_fs", [(2, 3, True), (3, 2, True), (1, 2, True),
+                                                         (2, 1, True), (2, 3, False), (3, 2, False)])
+def test_sliced_load_resumes_exactly(saved, save_ws, load_ws, shared_fs):
+    """Each rank reads its own slices (or, without a shared file system, rank 0 sends
+    them): training continues bit for bit as plain Adam's."""
+    assert run_ranks(load_ws, resume_job, saved[save_ws], 2048, shared_fs) == [True] * load_ws
+
+
+def _corrupt_optimizer_chunk(src, dst, which):
+    """Copy src to dst with one byte flipped in the middle of the exp_avg_sq record."""
+    from fairseq_oss.checkpoint_format import CheckpointReader
+
+    reader = CheckpointReader(src)
+    record = reader.manifest["optimizer_views"]["0"]["exp_avg_sq"][0]
+    offset = reader.record_offset(record) + reader.manifest["records"][record]["nbytes"] * which // 4
+    data = bytearray(open(src, "rb").read())
+    data[offset] ^= 0xFF
+    open(dst, "wb").write(bytes(data))
+
+
+def load_error_job(rank, world_size, path, shared_fs=True):
+    from fairseq_oss.checkpoint_format import CheckpointError
+
+    model, opt, _, _ = build(SMALL_BUCKET)
+    before = [t.clone() for t in opt._exp_avg_sq]
+    try:
+        opt.load_from_checkpoint(path, shared_fs=shared_fs)
+    except CheckpointError as e:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, opt._exp_avg_sq))
+        return str(e), unchanged
+    return None, True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("shared_fs", [True, False])
+def test_corrupted_state_fails_on_every_rank(saved, tmp_path, world_size, shared_fs):
+    """A flipped byte in one rank's slice: every rank raises (none is left waiting), and
+    the message names the file and the record."""
+    bad = str(tmp_path / "bad.pt")
+    _corrupt_optimizer_chunk(saved[2], bad, which=3)
+    results = run_ranks(world_size, load_error_job, bad, shared_fs)
+    for message, _ in results:
+        assert message is not None and bad in message and "checksum mismatch in record data/" in message
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_truncated_file_fails_on_every_rank(saved, tmp_path, world_size):
+    bad = str(tmp_path / "truncated.pt")
+    data = open(saved[2], "rb").read()
+    open(bad, "wb").write(data[: len(data) // 2])
+    results = run_ranks(world_size, load_error_job, bad)
+    assert all(m is not None and bad in m and "not a readable checkpoint" in m for m, _ in results)
+
+
+def mismatch_job(rank, world_size, path, kind):
+    """Load into an optimizer over other parameters: one more, or another shape."""
+    from fairseq_oss.checkpoint_format import CheckpointError
+    from fairseq_oss.sharded_adam import ShardedAdam
+
+    from test_sharded_adam import make_model, param_groups
+
+    model = make_model()
+    groups = param_groups(model, 1e-3)
+    if kind == "count":
+        groups[1]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+    else:
+        groups[0]["params"] = [torch.nn.Parameter(torch.zeros(300, 9))]
+    opt = ShardedAdam(groups, bucket_bytes=SMALL_BUCKET)
+    try:
+        opt.load_from_checkpoint(path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("count", "param group 1: the checkpoint has 8 parameters, this optimizer has 9"),
+    ("shape", "parameter 0: the checkpoint exp_avg has shape (300, 8), the parameter has shape (300, 9)"),
+])
+def test_mismatched_model_fails_on_every_rank_naming_it(saved, kind, message):
+    results = run_ranks(3, mismatch_job, saved[1], kind)
+    assert results == [f"{saved[1]}: {message}"] * 3
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples this process's resident memory every millisecond; ``rise`` is the peak
+    above the value when it started."""
+
+    def __enter__(self):
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.rise = self.peak - self.start
+
+
+BIG = 8_000_000  # elements: 64 MB of Adam state in all
+BUCKET = 4 * 2**20
+
+
+def memory_job(rank, world_size, path):
+    from fairseq_oss.checkpoint_format import CheckpointWriter
+    from fairseq_oss.sharded_adam import ShardedAdam
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(BIG // 2))
+    q = torch.nn.Parameter(torch.randn(BIG // 2))
+    opt = ShardedAdam([p, q], bucket_bytes=BUCKET)
+    for step in range(2):
+        p.grad, q.grad = torch.randn_like(p), torch.randn_like(q)
+        opt.step()
+    writer = CheckpointWriter(os.path.dirname(path)) if rank == 0 else None
+    with PeakRss() as save:
+        opt.consolidate_state_dict(writer=writer, stream=True)
+        if rank == 0:
+            writer.finish({"last_optimizer_state": opt.state_dict()}, path)
+    torch.distributed.barrier()  # the file is complete before anyone reads it
+    fresh = ShardedAdam([p, q], bucket_bytes=BUCKET)
+    with PeakRss() as load:
+        fresh.load_from_checkpoint(path)
+    same = all(torch.equal(a, b) for a, b in zip(fresh._exp_avg_sq, opt._exp_avg_sq))
+    return save.rise, load.rise, opt.state_bytes(), same
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_save_and_load_memory_is_bounded(tmp_path, world_size):
+    """Generous hard bounds, measured on the processes: the writer's memory rises by about
+    one bucket (never the full 64 MB state); a loading rank's by its own shard, not the
+    whole state (plain fairseq puts all of it on every rank)."""
+    path = str(tmp_path / "m.pt")
+    results = run_ranks(world_size, memory_job, path)
+    total_state = 2 * 4 * BIG
+    for rank, (save_rise, load_rise, shard_bytes, same) in enumerate(results):
+        assert same, rank
+        assert save_rise <= 3 * BUCKET + 16 * 2**20, (rank, save_rise)
+        assert save_rise < total_state / 2
+        assert load_rise <= shard_bytes + BUCKET + 16 * 2**20, (rank, load_rise, shard_bytes)
