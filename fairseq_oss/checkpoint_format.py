@@ -139,6 +139,7 @@ class CheckpointWriter:
     def __init__(self, directory: str):
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
+        remove_stale_temporaries(directory)
         self.tmp_path = os.path.join(directory, f".fairseq-oss-{uuid.uuid4().hex}.tmp")
         self._file = open(self.tmp_path, "wb")
         self._zip = zipfile.ZipFile(self._file, "w", zipfile.ZIP_STORED, allowZip64=True)
@@ -241,6 +242,17 @@ class _RecordStream:
         if exc[0] is None:
             self.writer.records[self.name] = {"nbytes": self._crc.nbytes, "crc32": self._crc.close()}
         return False
+
+
+def remove_stale_temporaries(directory: str) -> None:
+    """Remove what a killed writer left in ``directory`` (one writer per directory at a
+    time: rank 0 of one training run)."""
+    for name in os.listdir(directory):
+        if name.startswith(".fairseq-oss-") and name.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
 
 
 def fsync_dir(directory: str) -> None:

@@ -16,6 +16,10 @@ Save, in fairseq's order:
    writes the manifest and renames the file into place (fsync'd).
 4. ``PathManager.copy`` of that file to ``checkpoint_last.pt`` etc.: a hard link.
 
+Both register the plugin's state-dict hooks on the model
+(:mod:`fairseq_oss.sharded_tensors`): DTensor parameters are saved full and re-sharded
+when loaded; with DTensors, every rank calls ``Trainer.state_dict()`` during a save.
+
 Load:
 
 1. ``Trainer.load_checkpoint`` (all ranks): rank 0 checks that the file opens and that
@@ -47,6 +51,7 @@ from fairseq_oss.checkpoint_format import (
     load_mmap,
 )
 from fairseq_oss.sharded_adam import UNAVAILABLE, ShardedAdam
+from fairseq_oss.sharded_tensors import has_dtensor, register_sharded_tensor_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ def consolidate_optimizer(self):
     if inner is None or self.cfg.checkpoint.no_save_optimizer_state:
         return _ORIGINAL["consolidate_optimizer"](self)
     self._gathered_optim_state = None
+    register_sharded_tensor_hooks(self.get_model())
     _abort_pending()
     writer = None
     if self.data_parallel_rank == 0 and sys.exc_info()[0] is None:
@@ -170,6 +176,7 @@ def load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
     first = next((e for e in errors if e), None)
     if first is not None:
         raise CheckpointError(first)
+    register_sharded_tensor_hooks(self.get_model())
     _STATE.loading = (os.path.abspath(filename), None if reset_optimizer else _options(self))
     try:
         return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
@@ -205,6 +212,13 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     return state
 
 
+def always_call_state_dict_during_save_checkpoint(self) -> bool:
+    """Also every rank when the model holds DTensors: their hooks gather full tensors,
+    a collective (fairseq's own use of this property is FSDP's)."""
+    original = _ORIGINAL["always_call_state_dict_during_save_checkpoint"].fget(self)
+    return original or (_uses_oss_adam(self) and has_dtensor(self.get_model()))
+
+
 # ---------------------------------------------------------------------- install
 
 _PATCHES = [
@@ -212,6 +226,7 @@ _PATCHES = [
     (Trainer, "load_checkpoint", load_checkpoint),
     (checkpoint_utils, "torch_persistent_save", torch_persistent_save),
     (checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu),
+    (Trainer, "always_call_state_dict_during_save_checkpoint", property(always_call_state_dict_during_save_checkpoint)),
 ]
 
 

@@ -246,7 +246,8 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         is_recipient = self.rank == recipient_rank
         if stream:
-            self._consolidated = self._stream_state(recipient_rank, writer if is_recipient else None)
+            streamed = self._stream_state(recipient_rank, writer if is_recipient else None)
+            self._consolidated = streamed if is_recipient else UNAVAILABLE
             return
         if self.world_size == 1:
             return

@@ -19,12 +19,15 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 stamp="$VENV/.fairseq-oss-deps"
-want=$(cat constraints.txt requirements.txt | sha256sum | cut -d' ' -f1)
+want=$(cat constraints.txt requirements.txt scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing torch 2.13.0 (CPU), fairseq (ve-fairseq, --no-deps) and their needs"
   "${PIP[@]}" install -c constraints.txt torch==2.13.0
   "${PIP[@]}" install --no-deps ve-fairseq==0.12.3
   "${PIP[@]}" install -c constraints.txt -r requirements.txt
+  # fairscale: for --zero-sharding os (tests resume its checkpoints; the benchmark runs
+  # it). Pure Python; --no-deps so that it cannot replace torch.
+  "${PIP[@]}" install --no-deps fairscale==0.4.13
   echo "$want" > "$stamp"
 fi
 "${PIP[@]}" install --no-deps --force-reinstall . 2>&1 | grep -v "^WARNING: Location" || true

@@ -82,15 +82,6 @@ def train(data, save_dir, optimizer, world_size, max_update, launch="spawn", ext
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("corpus"))
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_corpus.py"), out,
-                    "--vocab", "300", "--train-lines", "1500", "--valid-lines", "50"],
-                   check=True, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return os.path.join(out, "bin")
-
-
-@pytest.fixture(scope="module")
 def base(data, tmp_path_factory):
     """Checkpoints after FIRST updates, per (optimizer, world size), spawned by fairseq."""
     root = tmp_path_factory.mktemp("base")

@@ -1,0 +1,170 @@
+"""End to end, the checkpoint plugin inside the real fairseq-train: compatibility with
+stock fairseq both ways and with fairscale OSS checkpoints, hard-linked aliases, failures
+that stop every rank, the crash path, and a writer killed in the middle of a save.
+
+Assumption: fairseq on CPU is deterministic for a given seed, data and world size, so
+equal checkpoints mean the optimizer state crossed over exactly.
+"""
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checks import assert_same_training_state, load
+from test_fairseq_train import BIN, COMMON, ENV, FIRST, RESUMED, WITHOUT_HOOK, ckpt, train
+
+PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "faults")
+
+
+def attempt(cmd, env=None, timeout=300):
+    """Run a command that may fail; returns (exit code, output). A hang fails the test."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def train_cmd(data, save_dir, optimizer, world_size, max_update, *extra):
+    cmd = [os.path.join(BIN, "fairseq-train"), data, *COMMON, "--optimizer", optimizer,
+           "--save-dir", save_dir, "--max-update", str(max_update), *extra]
+    return cmd + (["--distributed-world-size", str(world_size)] if world_size > 1 else [])
+
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def saved(data, tmp_path_factory):
+    """Checkpoints after FIRST updates at 2 ranks: oss_adam's and stock adam's."""
+    root = tmp_path_factory.mktemp("saved")
+    out = {}
+    for opt in ("oss_adam", "adam"):
+        out[opt] = str(root / opt)
+        train(data, out[opt], opt, 2, FIRST)
+    return out
+
+
+def resumed(data, src, tmp, optimizer, world_size, name):
+    d = str(tmp / name)
+    shutil.copytree(src, d)
+    train(data, d, optimizer, world_size, RESUMED)
+    return ckpt(d)
+
+
+def test_stock_adam_resumes_oss_checkpoint_without_the_plugin(data, saved, tmp_path):
+    """fairseq-train --optimizer adam, in a process that never imports fairseq_oss,
+    resumes an oss_adam checkpoint and continues exactly as from adam's own."""
+    d = str(tmp_path / "stock")
+    shutil.copytree(saved["oss_adam"], d)
+    args = [data, *COMMON, "--optimizer", "adam", "--save-dir", d, "--max-update", str(RESUMED)]
+    code = WITHOUT_HOOK.replace("cli_main()", "cli_main(); print('plugin imported:', 'fairseq_oss' in sys.modules)")
+    rc, out = attempt([sys.executable, "-c", code, *args])
+    assert rc == 0, out[-3000:]
+    assert "plugin imported: False" in out and f"(epoch 1 @ {FIRST} updates)" in out
+    reference = resumed(data, saved["adam"], tmp_path, "adam", 1, "reference")
+    assert_same_training_state(ckpt(d), reference)
+
+
+def test_oss_adam_resumes_stock_adam_checkpoint(data, saved, tmp_path):
+    got = resumed(data, saved["adam"], tmp_path, "oss_adam", 3, "oss")
+    want = resumed(data, saved["adam"], tmp_path, "adam", 3, "adam")
+    assert load(got)["optimizer_history"][-1]["num_updates"] == RESUMED
+    assert_same_training_state(got, want)
+
+
+def test_oss_adam_resumes_fairscale_oss_checkpoint(data, tmp_path):
+    """A checkpoint of fairseq's --zero-sharding os (fairscale OSS) resumes with oss_adam
+    at another world size, as stock adam resumes it."""
+    pytest.importorskip("fairscale")
+    src = str(tmp_path / "fairscale")
+    train(data, src, "adam", 2, FIRST, extra=["--zero-sharding", "os", "--ddp-backend", "legacy_ddp"])
+    got = resumed(data, src, tmp_path, "oss_adam", 3, "oss")
+    want = resumed(data, src, tmp_path, "adam", 3, "adam")
+    assert_same_training_state(got, want)
+
+
+def test_aliases_are_links_and_old_checkpoints_are_deleted(data, tmp_path):
+    d = str(tmp_path / "run")
+    train(data, d, "oss_adam", 2, 6, extra=["--save-interval-updates", "2", "--keep-interval-updates", "1"])
+    names = sorted(os.listdir(d))
+    assert [n for n in names if n.endswith(".pt")] == ["checkpoint_1_6.pt", "checkpoint_last.pt"]
+    assert not [n for n in names if n.endswith(".tmp")]
+    assert os.stat(os.path.join(d, "checkpoint_1_6.pt")).st_ino == os.stat(ckpt(d)).st_ino
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6
+
+
+def _flip_byte(path, record_kind):
+    from fairseq_oss.checkpoint_format import CheckpointReader
+
+    reader = CheckpointReader(path)
+    optimizer = {r for v in reader.manifest["optimizer_views"].values() for r, _ in v.values()}
+    records = [n for n in reader.manifest["records"] if n.startswith("data/")]
+    name = next(n for n in records if (n in optimizer) == (record_kind == "optimizer"))
+    offset = reader.record_offset(name) + reader.manifest["records"][name]["nbytes"] // 2
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0x55
+    open(path, "wb").write(bytes(data))
+    return name
+
+
+@pytest.mark.parametrize("damage", ["model", "optimizer", "truncated"])
+def test_damaged_checkpoint_stops_every_rank(data, saved, tmp_path, damage):
+    """A damaged checkpoint_last.pt: every rank exits non-zero (none hangs), the error
+    names the file and the first problem, and the file is left as it was."""
+    d = str(tmp_path / "run")
+    shutil.copytree(saved["oss_adam"], d)
+    path = ckpt(d)
+    if damage == "truncated":
+        blob = open(path, "rb").read()
+        open(path, "wb").write(blob[: len(blob) // 3])
+        expect = "not a readable checkpoint"
+    else:
+        record = _flip_byte(path, damage)
+        expect = f"checksum mismatch in record {record}"
+    before = digest(path)
+    rc, out = attempt(train_cmd(data, d, "oss_adam", 2, RESUMED), timeout=180)
+    assert rc != 0
+    assert f"{path}: {expect}" in out or f"{os.path.abspath(path)}: {expect}" in out, out[-3000:]
+    assert digest(path) == before
+
+
+def test_other_model_stops_every_rank(data, saved, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(saved["oss_adam"], d)
+    rc, out = attempt(train_cmd(data, d, "oss_adam", 2, RESUMED, "--decoder-layers", "2"), timeout=180)
+    assert rc != 0 and "Cannot load model parameters from checkpoint" in out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_crash_on_one_rank_does_not_hang(data, tmp_path, rank):
+    """fairseq's crash path (consolidate + crash.pt from an exception handler on the rank
+    that failed): it runs no collective, so the run ends instead of hanging; rank 0 writes
+    crash.pt with the model and without optimizer state."""
+    d = str(tmp_path / "run")
+    cmd = train_cmd(data, d, "oss_adam", 2, RESUMED, "--user-dir", PLUGIN, "--criterion", "faulty_cross_entropy")
+    rc, out = attempt(cmd, env={"FAULT_CRASH_RANK": str(rank), "FAULT_CRASH_CALL": "5"}, timeout=180)
+    assert rc != 0 and f"injected fault on rank {rank}" in out
+    crash = os.path.join(d, "crash.pt")
+    if rank == 0:
+        state = torch.load(crash, weights_only=True)
+        assert "model" in state and "last_optimizer_state" not in state
+    else:
+        assert not os.path.exists(crash)
+
+
+def test_writer_killed_mid_save_leaves_previous_checkpoint(data, tmp_path):
+    """Rank 0 is SIGKILLed while streaming its 2nd checkpoint: checkpoint_last.pt is still
+    the 1st one, intact (checksums verified on load), and training resumes from it."""
+    d = str(tmp_path / "run")
+    cmd = train_cmd(data, d, "oss_adam", 2, 6, "--user-dir", PLUGIN, "--save-interval-updates", "2")
+    rc, out = attempt(cmd, env={"FAULT_KILL_SAVE": "2"}, timeout=180)
+    assert rc != 0
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
+    assert any(n.endswith(".tmp") for n in os.listdir(d))  # what the killed writer left
+    log = train(data, d, "oss_adam", 2, 6)
+    assert f"(epoch 1 @ 2 updates)" in log
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6
+    assert not any(n.endswith(".tmp") for n in os.listdir(d))
