@@ -162,20 +162,19 @@ class _LinkingPathManager:
 
 
 def load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
-    if not _uses_oss_adam(self) or not os.path.isfile(filename):
+    if not _uses_oss_adam(self):
         return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
     world_size = self.data_parallel_world_size
     group = self.data_parallel_process_group if world_size > 1 else None
-    error = None
-    if self.data_parallel_rank == 0 or self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks:
-        try:
-            _preflight(filename, verify=_options(self)["verify"])
-        except CheckpointError as e:
-            error = str(e)
-    errors = collectives.all_gather_objects(error, group, world_size)
-    first = next((e for e in errors if e), None)
-    if first is not None:
-        raise CheckpointError(first)
+    verdict = None
+    if self.data_parallel_rank == 0:
+        verdict = _preflight(filename, verify=_options(self)["verify"])
+    # Rank 0 decides for all: a rank that failed alone would leave the others waiting.
+    verdict = collectives.broadcast_object(verdict, group, world_size)
+    if verdict not in ("ok", "absent", "legacy"):
+        raise CheckpointError(verdict)
+    if verdict != "ok":  # nothing to load, or torch's legacy format: fairseq's own path
+        return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
     register_sharded_tensor_hooks(self.get_model())
     _STATE.loading = (os.path.abspath(filename), None if reset_optimizer else _options(self))
     try:
@@ -184,15 +183,28 @@ def load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
         _STATE.loading = None
 
 
-def _preflight(path, verify):
-    """The file opens as a zip, and every record outside the optimizer state has the
-    checksum the manifest recorded (the optimizer's slices are checked by their readers)."""
-    reader = CheckpointReader(path)
-    if verify and reader.manifest is not None:
-        optimizer_records = {
-            record for views in reader.manifest.get("optimizer_views", {}).values() for record, _ in views.values()
-        }
-        reader.verify_all_except(optimizer_records)
+def _preflight(path, verify) -> str:
+    """'absent', 'legacy' (not a zip), 'ok' (the file opens, and every record outside the
+    optimizer state has the checksum the manifest recorded; the optimizer's slices are
+    checked by their readers), or the error message."""
+    if not os.path.isfile(path):
+        return "absent"
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head[:1] == b"\x80":  # a pickle: torch's legacy format
+        return "legacy"
+    if head != b"PK":
+        return f"{path}: not a readable checkpoint (neither a zip nor a legacy torch file)"
+    try:
+        reader = CheckpointReader(path)
+        if verify and reader.manifest is not None:
+            optimizer_records = {
+                record for views in reader.manifest.get("optimizer_views", {}).values() for record, _ in views.values()
+            }
+            reader.verify_all_except(optimizer_records)
+    except CheckpointError as e:
+        return str(e)
+    return "ok"
 
 
 def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
@@ -205,7 +217,9 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
     state = checkpoint_utils._upgrade_state_dict(state)
     options = loading[1]
-    if options is not None and has_optimizer_state:
+    if options is None and has_optimizer_state:  # --reset-optimizer: nothing to read or broadcast
+        state["last_optimizer_state"] = None
+    elif has_optimizer_state:
         saved = state["last_optimizer_state"]
         extras = {k: v for k, v in saved.items() if k not in ("state", "param_groups")}
         state["last_optimizer_state"] = OptimizerStateFile(path, extras=extras, **options)

@@ -283,11 +283,11 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _bucket_buffers(self) -> Dict[str, torch.Tensor]:
         """One bucket of state per kind, reused by every gather or scatter of a pass."""
-        out = {}
-        for bi, b in enumerate(self.partition.buckets):
-            size = max(b.numel, out[b.kind].numel() if b.kind in out else 0)
-            out[b.kind] = self._exp_avg[bi].new_empty(size)
-        return out
+        sizes, first = {}, {}
+        for b in self.partition.buckets:
+            sizes[b.kind] = max(sizes.get(b.kind, 0), b.numel)
+            first.setdefault(b.kind, b.index)
+        return {kind: self._exp_avg[first[kind]].new_empty(n) for kind, n in sizes.items()}
 
     def _stream_state(self, recipient_rank: int, writer) -> Optional[Dict]:
         """Gather segment by segment, key by key, bucket by bucket; the recipient writes."""
@@ -424,8 +424,11 @@ class ShardedAdam(torch.optim.Optimizer):
                         f"parameter {i}: {source} {key} has shape {tuple(t.shape)}, "
                         f"the parameter has shape {tuple(p.shape)}"
                     )
-                if not t.dtype.is_floating_point:
-                    raise ValueError(f"parameter {i}: {source} {key} has dtype {t.dtype}")
+                if t.dtype != _state_dtype(p.dtype):
+                    raise ValueError(
+                        f"parameter {i}: {source} {key} has dtype {t.dtype}, this optimizer keeps "
+                        f"{_state_dtype(p.dtype)} for a {p.dtype} parameter"
+                    )
             steps[i] = int(entry["step"])
         self._saved_ids = saved_ids
         return steps
@@ -531,7 +534,10 @@ class ShardedAdam(torch.optim.Optimizer):
             if views is not None and t.dtype == dst.dtype:
                 record, offset = views[str(i)][k]
                 size = t.element_size()
-                reader.read_into(record, (offset + start) * size, (offset + end) * size, dst, verify)
+                staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
+                reader.read_into(record, (offset + start) * size, (offset + end) * size, staging, verify)
+                if staging is not dst:
+                    dst.copy_(staging)
             else:
                 dst.copy_(t.reshape(-1)[start:end])
 

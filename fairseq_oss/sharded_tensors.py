@@ -13,25 +13,31 @@ done by the framework rather than the user):
 
 With no ``DTensor`` in the module both hooks change nothing.
 """
-import torch
+import sys
 
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # torch without DTensor: nothing to do
-    DTensor = None
+import torch
 
 _MARK = "_fairseq_oss_sharded_tensor_hooks"
 
 
+def _dtensor_class():
+    """DTensor, if torch.distributed.tensor is imported; else None. A model cannot hold a
+    DTensor before that module is imported, and importing it costs a second (sympy), so
+    the plugin never imports it itself."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def has_dtensor(module: torch.nn.Module) -> bool:
-    return DTensor is not None and any(
-        isinstance(t, DTensor) for t in list(module.parameters()) + list(module.buffers())
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(
+        isinstance(t, dtensor) for t in list(module.parameters()) + list(module.buffers())
     )
 
 
 def register_sharded_tensor_hooks(module: torch.nn.Module) -> None:
     """Register both hooks on ``module`` (once; later calls do nothing)."""
-    if DTensor is None or getattr(module, _MARK, False):
+    if getattr(module, _MARK, False):
         return
     module._register_state_dict_hook(_full_tensors)
     module._register_load_state_dict_pre_hook(_local_shards, with_module=True)
@@ -39,18 +45,26 @@ def register_sharded_tensor_hooks(module: torch.nn.Module) -> None:
 
 
 def _full_tensors(module, state_dict, prefix, local_metadata):
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return state_dict
     for key, value in state_dict.items():
-        if isinstance(value, DTensor):
+        if isinstance(value, dtensor):
             state_dict[key] = value.full_tensor()
     return state_dict
 
 
 def _local_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return
+    from torch.distributed.tensor import distribute_tensor
+
     targets = dict(module.named_parameters(prefix=prefix.rstrip(".")) if prefix else module.named_parameters())
     targets.update(module.named_buffers(prefix=prefix.rstrip(".")) if prefix else module.named_buffers())
     for key, value in list(state_dict.items()):
         target = targets.get(key)
-        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        if isinstance(target, dtensor) and isinstance(value, torch.Tensor) and not isinstance(value, dtensor):
             if tuple(value.shape) != tuple(target.shape):
                 continue  # let load_state_dict report the size mismatch
             state_dict[key] = distribute_tensor(

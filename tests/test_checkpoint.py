@@ -134,13 +134,13 @@ def _corrupt_optimizer_chunk(src, dst, which):
     open(dst, "wb").write(bytes(data))
 
 
-def load_error_job(rank, world_size, path, shared_fs=True):
+def load_error_job(rank, world_size, path, shared_fs=True, verify=True):
     from fairseq_oss.checkpoint_format import CheckpointError
 
     model, opt, _, _ = build(SMALL_BUCKET)
     before = [t.clone() for t in opt._exp_avg_sq]
     try:
-        opt.load_from_checkpoint(path, shared_fs=shared_fs)
+        opt.load_from_checkpoint(path, shared_fs=shared_fs, verify=verify)
     except CheckpointError as e:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, opt._exp_avg_sq))
         return str(e), unchanged
@@ -157,6 +157,13 @@ def test_corrupted_state_fails_on_every_rank(saved, tmp_path, world_size, shared
     results = run_ranks(world_size, load_error_job, bad, shared_fs)
     for message, _ in results:
         assert message is not None and bad in message and "checksum mismatch in record data/" in message
+
+
+def test_checksums_can_be_skipped(saved, tmp_path):
+    """verify=False (--oss-skip-checksums) loads the same damaged file without a check."""
+    bad = str(tmp_path / "bad.pt")
+    _corrupt_optimizer_chunk(saved[2], bad, which=3)
+    assert run_ranks(2, load_error_job, bad, True, False) == [(None, True)] * 2
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -75,6 +75,15 @@ def test_oss_adam_resumes_stock_adam_checkpoint(data, saved, tmp_path):
     assert_same_training_state(got, want)
 
 
+def test_resume_without_a_shared_file_system(data, saved, tmp_path):
+    """--oss-no-shared-fs: rank 0 reads the file and sends each rank its slices."""
+    got = resumed(data, saved["oss_adam"], tmp_path, "oss_adam", 3, "oss")
+    d = str(tmp_path / "no-shared-fs")
+    shutil.copytree(saved["oss_adam"], d)
+    train(data, d, "oss_adam", 3, RESUMED, extra=["--oss-no-shared-fs"])
+    assert_same_training_state(ckpt(d), got)
+
+
 def test_oss_adam_resumes_fairscale_oss_checkpoint(data, tmp_path):
     """A checkpoint of fairseq's --zero-sharding os (fairscale OSS) resumes with oss_adam
     at another world size, as stock adam resumes it."""

@@ -197,14 +197,13 @@ def test_resume_at_another_world_size(tmp_path, save_ws, load_ws):
 # ---------------------------------------------------------------- single process
 
 
-def test_load_accepts_tensor_steps_and_other_dtypes():
-    """torch.optim.Adam stores step as a tensor; a float64 state is cast on load."""
+def test_load_accepts_tensor_steps():
+    """torch.optim.Adam stores step as a tensor."""
     model, opt, ref, ref_opt = build(SMALL_BUCKET)
     run_steps(ref, ref_opt, 1, 3)
     sd = copy.deepcopy(ref_opt.state_dict())
     for entry in sd["state"].values():
         entry["step"] = torch.tensor(float(entry["step"]))
-        entry["exp_avg"] = entry["exp_avg"].double()
     opt.load_state_dict(sd)
     assert_same_state_dict(opt.state_dict(), ref_opt.state_dict())
 
@@ -218,6 +217,8 @@ def _mutate(kind, sd):
         sd["state"][1]["exp_avg"] = torch.zeros(16, 9)
     elif kind == "missing":
         del sd["state"][3]["exp_avg_sq"]
+    elif kind == "dtype":
+        sd["state"][4]["exp_avg"] = sd["state"][4]["exp_avg"].double()
     return sd
 
 
@@ -228,6 +229,7 @@ def _mutate(kind, sd):
         ("count", "param group 1: loaded state has 7 parameters, this optimizer has 8"),
         ("shape", r"parameter 1: loaded state exp_avg has shape \(16, 9\), the parameter has shape \(16, 8\)"),
         ("missing", "parameter 3: loaded state has no 'exp_avg_sq'"),
+        ("dtype", "parameter 4: loaded state exp_avg has dtype torch.float64, this optimizer keeps torch.float32"),
     ],
 )
 def test_load_rejects_a_mismatch_and_names_it(kind, message):
