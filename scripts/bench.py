@@ -1,0 +1,371 @@
+#!/usr/bin/env python3
+"""Benchmark: plain Adam, fairscale OSS, PyTorch's ZeroRedundancyOptimizer and oss_adam,
+on the same transformer_lm and data, on CPU with gloo.
+
+    python scripts/bench.py [--quick] [--out bench-results]
+
+For each contender: a run on 2 ranks that saves half-way and goes on (seconds per update at
+steady state, optimizer state on the largest rank against total/N, peak memory, save time
+and the writer's memory rise, checkpoint size), then resumes of the half-way checkpoint on
+1, 2 and 4 ranks (wall time and each rank's memory rise during the load, and whether the
+resume on 2 ranks ends with the same parameters as the uninterrupted run). Prints a
+markdown table with ratios to plain Adam, writes it to OUT/results.md with the raw figures
+(OUT/results.json) and a chart (OUT/results.png).
+
+The three fairseq contenders run the real fairseq-train with a measuring probe
+(scripts/bench_probe, --user-dir); fairseq has no switch for ZeroRedundancyOptimizer, so it
+runs in a small training loop here, on the same model, data and batches.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+PROBE = os.path.join(ROOT, "scripts", "bench_probe")
+
+SIZES = {
+    # vocab ~20k words (the embedding dominates), ~37M parameters
+    "full": dict(vocab=20000, lines=12000, dim=512, ffn=2048, layers=8, tokens=128, max_tokens=1024, updates=16),
+    "quick": dict(vocab=8000, lines=4000, dim=256, ffn=1024, layers=2, tokens=64, max_tokens=512, updates=8),
+}
+FAIRSEQ = {
+    "adam": ["--optimizer", "adam"],
+    "fairscale OSS": ["--optimizer", "adam", "--zero-sharding", "os"],
+    "oss_adam": ["--optimizer", "oss_adam"],
+}
+CONTENDERS = ["adam", "fairscale OSS", "ZeroRedundancyOptimizer", "oss_adam"]
+
+
+def model_args(size, data):
+    return [
+        data, "--task", "language_modeling", "--arch", "transformer_lm", "--share-decoder-input-output-embed",
+        "--decoder-layers", str(size["layers"]), "--decoder-embed-dim", str(size["dim"]),
+        "--decoder-ffn-embed-dim", str(size["ffn"]), "--decoder-attention-heads", "4",
+        "--tokens-per-sample", str(size["tokens"]), "--max-tokens", str(size["max_tokens"]),
+        "--lr", "0.0005", "--adam-betas", "(0.9,0.98)", "--weight-decay", "0.01",
+        "--cpu", "--seed", "1", "--disable-validation", "--no-epoch-checkpoints",
+        "--log-format", "simple", "--log-interval", "100", "--num-workers", "0",
+    ]
+
+
+def env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def fairseq_run(args, save_dir, world_size, max_update, probe_out, extra=()):
+    cmd = [os.path.join(BIN, "fairseq-train"), *args, "--save-dir", save_dir, "--max-update", str(max_update),
+           "--user-dir", PROBE, *extra]
+    if world_size > 1:
+        cmd += ["--distributed-world-size", str(world_size)]
+    e = env()
+    e["BENCH_PROBE_OUT"] = probe_out
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=e, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:2])} ... failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    ranks = []
+    for r in range(world_size):
+        with open(os.path.join(probe_out, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks, wall
+
+
+def same_params(a, b):
+    sa = torch.load(a, map_location="cpu", weights_only=False)
+    sb = torch.load(b, map_location="cpu", weights_only=False)
+    ma, mb = sa.get("model", sa), sb.get("model", sb)
+    return ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def bench_fairseq(name, size, data, work):
+    """One contender through fairseq-train; returns its figures."""
+    args = model_args(size, data) + FAIRSEQ[name]
+    half, full = size["updates"] // 2, size["updates"]
+    run_dir = os.path.join(work, "train")
+    ranks, _ = fairseq_run(args, run_dir, 2, full, os.path.join(work, "probe-train"),
+                           extra=["--save-interval-updates", str(half)])
+    mid = os.path.join(run_dir, f"checkpoint_1_{half}.pt")
+    out = train_figures(ranks, os.path.getsize(mid))
+    out["resume"] = {}
+    for ws in (1, 2, 4):
+        d = os.path.join(work, f"resume{ws}")
+        os.makedirs(d)
+        os.link(mid, os.path.join(d, "checkpoint_last.pt"))
+        rranks, wall = fairseq_run(args, d, ws, full, os.path.join(work, f"probe-resume{ws}"))
+        entry = {"load_seconds": max(r["loads"][0]["seconds"] for r in rranks),
+                 "load_rise": [r["loads"][0]["rise"] for r in rranks],
+                 "state_bytes": [r["state_bytes"] for r in rranks]}
+        if ws == 2:
+            entry["continues"] = same_params(os.path.join(d, "checkpoint_last.pt"),
+                                             os.path.join(run_dir, "checkpoint_last.pt"))
+        out["resume"][ws] = entry
+    return out
+
+
+def train_figures(ranks, ckpt_bytes):
+    steps = ranks[0]["update_seconds"]
+    steady = steps[3:] if len(steps) > 5 else steps[1:]
+    save = ranks[0]["saves"][0]
+    return {
+        "seconds_per_update": sorted(steady)[len(steady) // 2],
+        "state_bytes": [r["state_bytes"] for r in ranks],
+        "peak_rss": [r["peak_rss"] for r in ranks],
+        "save_seconds": max(r["saves"][0]["seconds"] for r in ranks),
+        "save_writer_rise": save["rise"],
+        "checkpoint_bytes": ckpt_bytes,
+    }
+
+
+# ---------------------------------------------------------------- ZeroRedundancyOptimizer
+
+
+def _zero_worker(rank, world_size, port, size, data, plan, out_dir):
+    """Same model and batches as fairseq-train, DDP + ZeroRedundancyOptimizer(AdamW)."""
+    import resource
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, os.path.dirname(PROBE))
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from bench_probe import Peak  # noqa: E402  (the probe's sampler, without its patches' effect here)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parser = options.get_training_parser()
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, model_args(size, data) + ["--optimizer", "adam"]))
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    torch.manual_seed(1)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    ddp = DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=5e-4,
+                                  betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
+    itr = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=size["max_tokens"],
+                                  max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+                                  seed=1, num_shards=world_size, shard_id=rank).next_epoch_itr(shuffle=True)
+    record = {"update_seconds": [], "saves": [], "loads": []}
+    start, end = plan["start"], plan["end"]
+    if plan.get("load"):
+        with Peak() as p:
+            ckpt = torch.load(plan["load"], map_location="cpu", weights_only=False)  # every rank reads it all
+            model.load_state_dict(ckpt["model"])
+            try:
+                opt.load_state_dict(ckpt["optimizer"])
+                record["load_error"] = None
+            except Exception as e:  # noqa: BLE001 - reported, not hidden
+                record["load_error"] = f"{type(e).__name__}: {e}"[:200]
+            del ckpt
+        record["loads"].append({"seconds": p.seconds, "rise": p.rise})
+    batches = list(itr)
+    for update in range(start, end):
+        sample = batches[update % len(batches)]
+        torch.manual_seed(1 + update)
+        t0 = time.perf_counter()
+        loss, sample_size, _ = criterion(ddp, sample)
+        (loss / max(sample_size, 1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        record["update_seconds"].append(time.perf_counter() - t0)
+        if update == start:
+            record["state_bytes"] = sum(v.numel() * v.element_size() for s in opt.optim.state.values()
+                                        for v in s.values() if torch.is_tensor(v))
+        if plan.get("save_at") == update + 1:
+            with Peak() as p:
+                opt.consolidate_state_dict(to=0)
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, plan["save"])
+                dist.barrier()
+            record["saves"].append({"seconds": p.seconds, "rise": p.rise})
+    if rank == 0 and plan.get("final"):
+        torch.save({"model": model.state_dict()}, plan["final"])
+    record["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def zero_run(size, data, world_size, plan, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.multiprocessing.start_processes(_zero_worker, args=(world_size, _free_port(), size, data, plan, out_dir),
+                                          nprocs=world_size, start_method="spawn")
+    wall = time.perf_counter() - t0
+    ranks = []
+    for r in range(world_size):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks, wall
+
+
+def bench_zero(size, data, work):
+    half, full = size["updates"] // 2, size["updates"]
+    mid, final = os.path.join(work, "mid.pt"), os.path.join(work, "final.pt")
+    ranks, _ = zero_run(size, data, 2, {"start": 0, "end": full, "save_at": half, "save": mid, "final": final},
+                        os.path.join(work, "probe-train"))
+    out = train_figures(ranks, os.path.getsize(mid))
+    out["resume"] = {}
+    for ws in (1, 2, 4):
+        resumed = os.path.join(work, f"resumed{ws}.pt")
+        rranks, _ = zero_run(size, data, ws, {"start": half, "end": full, "load": mid, "final": resumed},
+                             os.path.join(work, f"probe-resume{ws}"))
+        errors = {r.get("load_error") for r in rranks} - {None}
+        entry = {"load_seconds": max(r["loads"][0]["seconds"] for r in rranks),
+                 "load_rise": [r["loads"][0]["rise"] for r in rranks],
+                 "state_bytes": [r.get("state_bytes") for r in rranks],
+                 "load_error": sorted(errors)[0] if errors else None}
+        if ws == 2:
+            entry["continues"] = same_params(resumed, final) and not errors
+        out["resume"][ws] = entry
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+MB = 1e6
+
+
+def fmt_ratio(value, base):
+    return f"{value:.3g} ({value / base:.2f}x)" if base else f"{value:.3g}"
+
+
+def report(results, size, machine):
+    base = results["adam"]
+    rows = []
+    head = ["contender", "s/update (N=2)", "state on largest rank / (total/N), N=2", "same, N=4",
+            "peak RSS MB (max rank)", "save s", "writer rise MB (save)", "checkpoint MB",
+            "resume N=1: s / max rise MB", "N=2", "N=4", "resumed = uninterrupted"]
+    total = base["state_bytes"][0]  # plain adam replicates: every rank holds all of it
+
+    def balance(states, n):
+        states = [s for s in states if s is not None]
+        return max(states) / (total / n) if states else float("nan")
+
+    for name in CONTENDERS:
+        r = results.get(name)
+        if r is None:
+            continue
+        res = r["resume"]
+        cells = [
+            name,
+            fmt_ratio(r["seconds_per_update"], base["seconds_per_update"]),
+            f"{balance(r['state_bytes'], 2):.3f}",
+            f"{balance(res[4]['state_bytes'], 4):.3f}",
+            fmt_ratio(max(r["peak_rss"]) / MB, max(base["peak_rss"]) / MB),
+            fmt_ratio(r["save_seconds"], base["save_seconds"]),
+            f"{r['save_writer_rise'] / MB:.1f}",
+            fmt_ratio(r["checkpoint_bytes"] / MB, base["checkpoint_bytes"] / MB),
+        ]
+        for ws in (1, 2, 4):
+            e = res[ws]
+            cell = f"{e['load_seconds']:.2f} / {max(e['load_rise']) / MB:.0f}"
+            if e.get("load_error"):
+                cell += " (optimizer state not loaded)"
+            cells.append(cell)
+        cells.append("yes" if res[2].get("continues") else "no")
+        rows.append(cells)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(c) + " |" for c in rows]
+    params = total / 8  # two fp32 tensors per parameter
+    notes = [
+        f"Model: transformer_lm, {size['layers']} layers, dim {size['dim']}, vocabulary {size['vocab']}, "
+        f"{params / 1e6:.1f}M parameters (Adam state {total / MB:.0f} MB); {size['updates']} updates, "
+        f"checkpoint after {size['updates'] // 2}; {machine}.",
+        "Ratios are to plain adam. State balance: the largest rank's optimizer state over total/N (1.000 is perfect). "
+        "Rises are resident-memory rises of the process during the save or load (sampled every ms).",
+    ]
+    return "\n".join(lines), notes
+
+
+def chart(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in CONTENDERS if n in results]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    panels = [
+        ("s / update (N=2)", [results[n]["seconds_per_update"] for n in names]),
+        ("largest rank's state, MB (N=2)", [max(results[n]["state_bytes"]) / MB for n in names]),
+        ("writer's memory rise at save, MB", [results[n]["save_writer_rise"] / MB for n in names]),
+        ("max rank's memory rise at resume on 4, MB", [max(results[n]["resume"][4]["load_rise"]) / MB for n in names]),
+    ]
+    for ax, (title, values) in zip(axes, panels):
+        ax.bar(range(len(names)), values, color=["#888", "#c84", "#48c", "#4a4"][: len(names)])
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=20, fontsize=8)
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smaller model and fewer updates (under 5 minutes)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench-results"))
+    ap.add_argument("--only", nargs="*", choices=CONTENDERS, help="run these contenders only")
+    args = ap.parse_args(argv)
+    size = SIZES["quick" if args.quick else "full"]
+    names = args.only or CONTENDERS
+    if "adam" not in names:
+        names = ["adam"] + names  # the baseline of every ratio
+    t0 = time.time()
+    work = tempfile.mkdtemp(prefix="fairseq-oss-bench-")
+    try:
+        data_root = os.path.join(work, "data")
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_corpus.py"), data_root,
+                        "--vocab", str(size["vocab"]), "--train-lines", str(size["lines"])],
+                       check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        data = os.path.join(data_root, "bin")
+        results = {}
+        for name in [n for n in CONTENDERS if n in names]:
+            print(f"bench: {name} ...", flush=True)
+            d = os.path.join(work, name.replace(" ", "_"))
+            os.makedirs(d)
+            results[name] = bench_zero(size, data, d) if name == "ZeroRedundancyOptimizer" else bench_fairseq(name, size, data, d)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    machine = f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}, gloo"
+    table, notes = report(results, size, machine)
+    stamp = time.strftime("%Y-%m-%d")
+    text = f"Measured {stamp} ({'quick' if args.quick else 'full'} run, {time.time() - t0:.0f} s).\n\n{table}\n\n" + "\n".join(notes) + "\n"
+    print()
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"size": size, "machine": machine, "date": stamp, "results": results}, f, indent=1)
+    try:
+        chart(results, os.path.join(args.out, "results.png"))
+    except ImportError:
+        print("bench: matplotlib is not installed, no chart (scripts/bench.sh installs it)")
+    print(f"bench: wrote {args.out}/results.md, results.json, results.png")
+
+
+if __name__ == "__main__":
+    main()

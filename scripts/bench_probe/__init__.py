@@ -1,0 +1,107 @@
+"""Measurement probe for scripts/bench.py, loaded into fairseq-train with --user-dir.
+
+Records, on every rank, into $BENCH_PROBE_OUT/rank{R}.json when the process exits:
+seconds of each update, optimizer-state bytes held by this rank, peak resident memory,
+and for each checkpoint save and load its wall time and the rise of this process's
+resident memory above where it was when the save or load began (sampled every ms).
+Changes nothing in what fairseq computes.
+"""
+import atexit
+import json
+import os
+import resource
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from fairseq import checkpoint_utils
+from fairseq.trainer import Trainer
+
+_OUT = os.environ.get("BENCH_PROBE_OUT")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+RECORD = {"update_seconds": [], "saves": [], "loads": [], "state_bytes": None}
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class Peak:
+    def __enter__(self):
+        self.start = self.peak = rss()
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.seconds = time.perf_counter() - self.t0
+        self.rise = max(self.peak, rss()) - self.start
+
+
+def state_bytes(trainer):
+    inner = trainer.optimizer.optimizer
+    if hasattr(inner, "state_bytes"):  # oss_adam
+        return inner.state_bytes()
+    local = getattr(inner, "optim", inner)  # fairscale OSS keeps its shard's optimizer in .optim
+    total = 0
+    for entry in local.state.values():
+        for v in entry.values():
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+
+
+_train_step = Trainer.train_step
+_load = Trainer.load_checkpoint
+_save = checkpoint_utils.save_checkpoint
+
+
+def train_step(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = _train_step(self, *args, **kwargs)
+    RECORD["update_seconds"].append(time.perf_counter() - t0)
+    if RECORD["state_bytes"] is None:
+        RECORD["state_bytes"] = state_bytes(self)
+    return out
+
+
+def load_checkpoint(self, *args, **kwargs):
+    with Peak() as p:
+        out = _load(self, *args, **kwargs)
+    if self.get_num_updates() > 0:
+        RECORD["loads"].append({"seconds": p.seconds, "rise": p.rise})
+    return out
+
+
+def save_checkpoint(cfg, trainer, *args, **kwargs):
+    with Peak() as p:
+        out = _save(cfg, trainer, *args, **kwargs)
+    RECORD["saves"].append({"seconds": p.seconds, "rise": p.rise, "updates": trainer.get_num_updates()})
+    return out
+
+
+def dump():
+    if not _OUT or not (RECORD["update_seconds"] or RECORD["loads"]):
+        return  # e.g. the launcher process of fairseq's spawn, which trains nothing
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    RECORD["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    os.makedirs(_OUT, exist_ok=True)
+    with open(os.path.join(_OUT, f"rank{rank}.json"), "w") as f:
+        json.dump(RECORD, f)
+
+
+Trainer.train_step = train_step
+Trainer.load_checkpoint = load_checkpoint
+checkpoint_utils.save_checkpoint = save_checkpoint
+atexit.register(dump)
