@@ -99,7 +99,49 @@ def _storage_type(dtype: torch.dtype):
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 
+def _gf2_times(mat: List[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: List[int]) -> List[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _zero_byte_operators(count: int = 48) -> List[List[int]]:
+    """Operator k appends 2**k zero bytes to a CRC32 register (zlib's crc32_combine)."""
+    one_bit = [0xEDB88320] + [1 << n for n in range(31)]
+    op = _gf2_square(_gf2_square(_gf2_square(one_bit)))  # 8 bits: one zero byte
+    ops = [op]
+    for _ in range(count - 1):
+        op = _gf2_square(op)
+        ops.append(op)
+    return ops
+
+
+_ZERO_OPS = _zero_byte_operators()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
 class _ChunkedCrc:
+    """CRC32 of each CHUNK_BYTES chunk of a stream, in one pass; the whole stream's CRC
+    is combined from them (so the zip's CRC costs no second pass)."""
+
     def __init__(self):
         self.crcs: List[int] = []
         self._crc = 0
@@ -123,6 +165,12 @@ class _ChunkedCrc:
             self.crcs.append(self._crc)
             self._crc, self._filled = 0, 0
         return self.crcs
+
+    def whole(self) -> int:
+        crc = 0
+        for i, c in enumerate(self.crcs):
+            crc = crc32_combine(crc, c, min(CHUNK_BYTES, self.nbytes - i * CHUNK_BYTES))
+        return crc
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -221,6 +269,10 @@ class CheckpointWriter:
 
 
 class _RecordStream:
+    """One record being written. The bytes go straight to the file; the CRCs are computed
+    once, here, per chunk (the zip's own CRC is combined from them at close, instead of
+    :mod:`zipfile` computing it in a second pass)."""
+
     def __init__(self, writer: CheckpointWriter, name: str):
         self.writer, self.name = writer, name
         self._crc = _ChunkedCrc()
@@ -235,12 +287,17 @@ class _RecordStream:
         elif isinstance(data, (bytes, bytearray)):
             data = memoryview(data)
         self._crc.update(data)
-        self._out.write(data)
+        # zipfile's _ZipWriteFile.write without its crc32 (stored records: no compressor)
+        self._out._file_size += len(data)
+        self._out._compress_size += len(data)
+        self._out._fileobj.write(data)
 
     def __exit__(self, *exc):
+        crcs = self._crc.close()
+        self._out._crc = self._crc.whole()
         self._out.close()
         if exc[0] is None:
-            self.writer.records[self.name] = {"nbytes": self._crc.nbytes, "crc32": self._crc.close()}
+            self.writer.records[self.name] = {"nbytes": self._crc.nbytes, "crc32": crcs}
         return False
 
 
