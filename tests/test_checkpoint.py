@@ -49,6 +49,23 @@ def test_writer_output_is_a_valid_torch_checkpoint(tmp_path):
     reader.verify_all_except(set())
 
 
+@pytest.mark.parametrize("sizes", [[0], [5], [2**20 - 1, 1], [3 * 2**20 + 7], [1, 2**20, 12345, 700000]])
+def test_record_crc_is_combined_from_chunk_crcs(sizes):
+    """The zip's CRC of a record, combined from the 1 MiB chunk CRCs, equals zlib's."""
+    import zlib
+
+    from fairseq_oss.checkpoint_format import _ChunkedCrc
+
+    data = os.urandom(sum(sizes))
+    crc, pos = _ChunkedCrc(), 0
+    for n in sizes:
+        crc.update(memoryview(data)[pos : pos + n])
+        pos += n
+    chunks = crc.close()
+    assert crc.whole() == zlib.crc32(data)
+    assert chunks == [zlib.crc32(data[i : i + 2**20]) for i in range(0, len(data), 2**20)]
+
+
 def test_link_or_copy_shares_bytes_and_survives_deletion(tmp_path):
     from fairseq_oss.checkpoint_format import link_or_copy
 
