@@ -145,11 +145,10 @@ def _zero_worker(rank, world_size, port, size, data, plan, out_dir):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    sys.path.insert(0, os.path.dirname(PROBE))
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from bench_probe import Peak  # noqa: E402  (the probe's sampler, without its patches' effect here)
+    from fairseq_oss.memory import PeakRss as Peak
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     parser = options.get_training_parser()

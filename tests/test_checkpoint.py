@@ -5,8 +5,6 @@ Assumptions: a checkpoint written by ``CheckpointWriter`` must load with plain
 state it holds depends on the training state only, not on the world size that saved it.
 """
 import os
-import threading
-import time
 import zipfile
 
 import pytest
@@ -225,40 +223,13 @@ def test_mismatched_model_fails_on_every_rank_naming_it(saved, kind, message):
 # ---------------------------------------------------------------- memory
 
 
-def _rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """Samples this process's resident memory every millisecond; ``rise`` is the peak
-    above the value when it started."""
-
-    def __enter__(self):
-        self.start = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        self.rise = self.peak - self.start
-
-
 BIG = 8_000_000  # elements: 64 MB of Adam state in all
 BUCKET = 4 * 2**20
 
 
 def memory_job(rank, world_size, path):
     from fairseq_oss.checkpoint_format import CheckpointWriter
+    from fairseq_oss.memory import PeakRss
     from fairseq_oss.sharded_adam import ShardedAdam
 
     torch.manual_seed(0)

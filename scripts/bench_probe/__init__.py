@@ -10,7 +10,6 @@ import atexit
 import json
 import os
 import resource
-import threading
 import time
 
 import torch
@@ -18,35 +17,10 @@ import torch.distributed as dist
 from fairseq import checkpoint_utils
 from fairseq.trainer import Trainer
 
+from fairseq_oss.memory import PeakRss as Peak
+
 _OUT = os.environ.get("BENCH_PROBE_OUT")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 RECORD = {"update_seconds": [], "saves": [], "loads": [], "state_bytes": None}
-
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
-class Peak:
-    def __enter__(self):
-        self.start = self.peak = rss()
-        self.t0 = time.perf_counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.seconds = time.perf_counter() - self.t0
-        self.rise = max(self.peak, rss()) - self.start
 
 
 def state_bytes(trainer):
