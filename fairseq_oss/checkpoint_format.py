@@ -26,7 +26,7 @@ import uuid
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 

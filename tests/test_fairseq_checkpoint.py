@@ -174,6 +174,6 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(data, tmp_path):
     assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
     assert any(n.endswith(".tmp") for n in os.listdir(d))  # what the killed writer left
     log = train(data, d, "oss_adam", 2, 6)
-    assert f"(epoch 1 @ 2 updates)" in log
+    assert "(epoch 1 @ 2 updates)" in log
     assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6
     assert not any(n.endswith(".tmp") for n in os.listdir(d))
