@@ -384,16 +384,21 @@ class CheckpointReader:
         offset = self.record_offset(name)
         with open(self.path, "rb") as f:
             for c in range(start // chunk, (end - 1) // chunk + 1):
-                if (name, c) in self._verified:
-                    continue
-                want = min(chunk, meta["nbytes"] - c * chunk)
-                data = os.pread(f.fileno(), want, offset + c * chunk)
-                if len(data) != want or zlib.crc32(data) != meta["crc32"][c]:
-                    raise CheckpointError(
-                        f"{self.path}: checksum mismatch in record {name}, bytes "
-                        f"{c * chunk}-{c * chunk + want} (the file is corrupted or truncated)"
-                    )
-                self._verified.add((name, c))
+                if (name, c) not in self._verified:
+                    self._checked_chunk(f, name, meta, offset, c)
+
+    def _checked_chunk(self, f, name: str, meta: Dict, offset: int, c: int) -> bytes:
+        """Chunk ``c`` of record ``name`` (at file ``offset``), read and CRC-checked."""
+        chunk = self.manifest["chunk_bytes"]
+        want = min(chunk, meta["nbytes"] - c * chunk)
+        data = os.pread(f.fileno(), want, offset + c * chunk)
+        if len(data) != want or zlib.crc32(data) != meta["crc32"][c]:
+            raise CheckpointError(
+                f"{self.path}: checksum mismatch in record {name}, bytes "
+                f"{c * chunk}-{c * chunk + want} (the file is corrupted or truncated)"
+            )
+        self._verified.add((name, c))
+        return data
 
     def read_into(self, name: str, start: int, end: int, out: torch.Tensor, verify: bool = True) -> None:
         """Read bytes ``[start, end)`` of record ``name`` into the contiguous CPU tensor
@@ -418,13 +423,7 @@ class CheckpointReader:
                 c_start, c_end = c * chunk, min((c + 1) * chunk, meta["nbytes"] if meta else end)
                 hi = min(end, c_end)
                 if meta is not None and (name, c) not in self._verified:
-                    data = os.pread(f.fileno(), c_end - c_start, offset + c_start)
-                    if len(data) != c_end - c_start or zlib.crc32(data) != meta["crc32"][c]:
-                        raise CheckpointError(
-                            f"{self.path}: checksum mismatch in record {name}, bytes {c_start}-{c_end} "
-                            "(the file is corrupted or truncated)"
-                        )
-                    self._verified.add((name, c))
+                    data = self._checked_chunk(f, name, meta, offset, c)
                     dst[pos - start : hi - start] = data[pos - c_start : hi - c_start]
                 else:
                     n = os.preadv(f.fileno(), [dst[pos - start : hi - start]], offset + pos)

@@ -329,7 +329,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if writer is None:
             return None
         writer.extra_manifest["optimizer_views"] = views
-        return {"streamed": placeholders}
+        return placeholders
 
     def state_dict(self):
         """The state in the format of ``fairseq.optim.adam.Adam.state_dict()``: one entry
@@ -354,10 +354,9 @@ class ShardedAdam(torch.optim.Optimizer):
                 "consolidate_state_dict() to be called on all ranks first, and is only "
                 f"available on the recipient rank (this is rank {self.rank})"
             )
-        full = consolidated["streamed"] if "streamed" in consolidated else consolidated
         state = {
             i: {"step": self._steps[i], "exp_avg": t["exp_avg"], "exp_avg_sq": t["exp_avg_sq"]}
-            for i, t in sorted(full.items())
+            for i, t in sorted(consolidated.items())
         }
         return {"state": state, "param_groups": self._packed_param_groups()}
 
@@ -387,9 +386,9 @@ class ShardedAdam(torch.optim.Optimizer):
             full[i] = entry
         return full
 
-    def _validate(self, state_dict, source: str = "loaded state") -> List[int]:
+    def _validate(self, state_dict, source: str = "loaded state") -> Tuple[List[int], List]:
         """Check ``state_dict`` against this optimizer's parameters; return the step of
-        each parameter (0 where it has no state).
+        each parameter (0 where it has no state) and each parameter's key in the state.
 
         Raises:
             ValueError: naming the first mismatch.
@@ -430,8 +429,7 @@ class ShardedAdam(torch.optim.Optimizer):
                         f"{_state_dtype(p.dtype)} for a {p.dtype} parameter"
                     )
             steps[i] = int(entry["step"])
-        self._saved_ids = saved_ids
-        return steps
+        return steps, saved_ids
 
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict in the plain Adam format, saved at any world size: each rank
@@ -451,8 +449,8 @@ class ShardedAdam(torch.optim.Optimizer):
             return self.load_from_checkpoint(
                 state_dict.path, verify=state_dict.verify, shared_fs=state_dict.shared_fs
             )
-        steps = self._validate(state_dict)
-        entries = [state_dict["state"].get(sid) for sid in self._saved_ids]
+        steps, saved_ids = self._validate(state_dict)
+        entries = [state_dict["state"].get(sid) for sid in saved_ids]
         self._copy_slices(lambda i, k, start, end, dst: dst.copy_(entries[i][k].reshape(-1)[start:end]), steps)
         self._apply_groups(state_dict["param_groups"])
 
@@ -523,10 +521,10 @@ class ShardedAdam(torch.optim.Optimizer):
         if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
             raise CheckpointError(f"{path}: no optimizer state under '{key}'")
         try:
-            steps = self._validate(state, source="the checkpoint")
+            steps, saved_ids = self._validate(state, source="the checkpoint")
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
-        entries = [state["state"].get(sid) for sid in self._saved_ids]
+        entries = [state["state"].get(sid) for sid in saved_ids]
         views = (reader.manifest or {}).get("optimizer_views")
 
         def fill(i, k, start, end, dst):
