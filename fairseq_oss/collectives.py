@@ -1,11 +1,11 @@
 """The few collectives the sharded optimizer uses, each on one flat bucket of tensors.
 
-Owns: world size and rank of a process group, the per-bucket all-gather of the step and
-the per-bucket gather of a consolidation. Each function here is collective: every rank of
+Owns: world size and rank of a process group, the per-bucket exchange of the step
+(point to point, or one all-gather) and the per-bucket gather of a consolidation. Each function here is collective: every rank of
 the group calls it, in the same order, with buckets of the same layout. Nothing here is
 pickled: only tensors move. With one process they do no communication.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,13 @@ def world_size_and_rank(group) -> Tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def backend(group) -> Optional[str]:
+    """The backend's name (``"gloo"``, ``"nccl"``, ...), None without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return str(dist.get_backend(group))
 
 
 def all_gather_ints(value: int, group, device=None) -> List[int]:
@@ -54,6 +61,33 @@ def all_gather_bucket(bucket: torch.Tensor, shard: torch.Tensor, group, world_si
 def wait(work) -> None:
     if work is not None:
         work.wait()
+
+
+def wait_all(works: Sequence) -> None:
+    for w in works:
+        w.wait()
+
+
+def exchange_pieces(mine: Sequence[torch.Tensor], theirs: Dict[int, Sequence[torch.Tensor]], slot: int, group) -> list:
+    """Start sending this rank's tensors ``mine`` to every rank in ``theirs`` and receiving
+    rank ``r``'s tensors into ``theirs[r]``, in place (no staging buffer: the tensors may
+    be views into parameters). Returns the works for :func:`wait_all`. Every rank passes
+    the same layout: rank ``r``'s ``mine`` matches ``theirs[r]`` on every other rank,
+    tensor for tensor. ``slot`` tells apart the messages of two exchanges in flight at
+    once (consecutive slots must differ).
+
+    .. warning:: Collective: call on all ranks.
+    """
+    works = []
+    for r, tensors in theirs.items():
+        src = _global_rank(group, r)
+        for j, t in enumerate(tensors):
+            works.append(dist.irecv(t, src=src, group=group, tag=2 * j + slot % 2))
+    for r in theirs:
+        dst = _global_rank(group, r)
+        for j, t in enumerate(mine):
+            works.append(dist.isend(t, dst=dst, group=group, tag=2 * j + slot % 2))
+    return works
 
 
 def gather_shards(

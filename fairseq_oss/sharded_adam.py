@@ -14,7 +14,11 @@ Every rank holds, besides the parameters, only:
 * ``exp_avg`` and ``exp_avg_sq`` for its shard of each bucket (about 1/N of Adam's state);
 * the step count of every parameter (one int each: parameters are stepped on every rank
   alike, since data parallelism gives all ranks the same set of gradients);
-* two gather buffers of one bucket each, per dtype.
+* with ``exchange="all_gather"`` only, two gather buffers of one bucket each, per dtype.
+
+The step updates each rank's shard in place, in the parameters' own memory, and hands it
+to the other ranks straight from there (point to point on gloo) or through one gather
+buffer per bucket (NCCL's all-gather): on gloo, no copy of a parameter or gradient at all.
 """
 import math
 import sys
@@ -31,7 +35,7 @@ from fairseq_oss.checkpoint_format import (
     StreamedTensor,
     load_mmap,
 )
-from fairseq_oss.partition import Bucket, ParamSpec, Partition, partition
+from fairseq_oss.partition import Bucket, ParamSpec, Partition, Piece, partition
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -61,12 +65,17 @@ class ShardedAdam(torch.optim.Optimizer):
         lr, betas, eps, weight_decay, amsgrad: as ``fairseq.optim.adam.Adam``.
         process_group: the data-parallel group to shard over; ``None`` means the default
             group if ``torch.distributed`` is initialized, else a single process.
-        bucket_bytes: size of one gathered bucket. Collectives move one bucket at a time,
-            so this bounds the extra memory of a step and of a consolidation.
+        bucket_bytes: size of one bucket. Collectives move one bucket at a time, so this
+            bounds the extra memory of a step and of a consolidation.
+        exchange: how the step hands each rank's updated shard to the others: ``"p2p"``
+            (point to point, straight from and into the parameters: no copies, no
+            buffers) or ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket
+            through two gather buffers). ``None``: ``"p2p"`` on gloo, whose all-gather
+            stages through temporary buffers of its own, else ``"all_gather"`` (NCCL).
 
     Raises:
         ValueError: for ``amsgrad=True`` (fairseq never enables it), a sparse or
-            non-contiguous parameter, or a non-positive bucket size.
+            non-contiguous parameter, a non-positive bucket size or an unknown exchange.
 
     .. warning:: The constructor, :meth:`step` and :meth:`consolidate_state_dict` are
         collective: call them on all ranks of ``process_group``, in the same order.
@@ -83,6 +92,7 @@ class ShardedAdam(torch.optim.Optimizer):
         *,
         process_group=None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        exchange: Optional[str] = None,
     ):
         if amsgrad:
             raise ValueError("ShardedAdam does not implement amsgrad")
@@ -95,6 +105,11 @@ class ShardedAdam(torch.optim.Optimizer):
 
         self.process_group = process_group
         self.world_size, self.rank = collectives.world_size_and_rank(process_group)
+        if exchange is None:
+            exchange = "p2p" if collectives.backend(process_group) == "gloo" else "all_gather"
+        if exchange not in ("p2p", "all_gather"):
+            raise ValueError(f"exchange must be 'p2p' or 'all_gather', got {exchange!r}")
+        self.exchange = exchange
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         for i, p in enumerate(self._params):
             if p.is_sparse or not p.is_contiguous():
@@ -153,8 +168,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Update this rank's shard of every parameter, then all-gather the buckets so
-        that every rank holds the full updated parameters.
+        """Update this rank's shard of every parameter, in place, then exchange the
+        buckets' shards so that every rank holds the full updated parameters.
 
         .. warning:: Collective: call on all ranks.
         """
@@ -170,55 +185,77 @@ class ShardedAdam(torch.optim.Optimizer):
                     )
                 self._steps[i] += 1
 
-        pending = None  # (bucket, buffer, work) of the gather in flight
+        pending = None  # (bucket, exchange) in flight: it overlaps the next bucket's update
         for b in self.partition.buckets:
-            buf = self._buffer(b, b.index)
-            c = b.shard_numel
-            shard = buf[self.rank * c : (self.rank + 1) * c]
-            self._update_shard(b, shard)
-            work = collectives.all_gather_bucket(buf, shard, self.process_group, self.world_size)
+            self._update_shard(b)
+            started = self._start_exchange(b)
             if pending is not None:
-                self._unpack(*pending)
-            pending = (b, buf, work)
+                self._finish_exchange(*pending)
+            pending = (b, started)
         if pending is not None:
-            self._unpack(*pending)
+            self._finish_exchange(*pending)
         return loss
 
-    def _update_shard(self, bucket: Bucket, shard: torch.Tensor) -> None:
-        """Copy this rank's part of the bucket's parameters into ``shard`` and apply Adam
-        to it, run by run of pieces that share a step count and have a gradient."""
-        pieces = bucket.shard_pieces(self.rank)
-        if not pieces:
-            return
+    def _piece_view(self, pc: Piece) -> torch.Tensor:
+        """The parameter's own elements that ``pc`` covers (a view: writes land in it)."""
+        return self._flat(pc.param)[pc.param_offset : pc.param_offset + pc.numel]
+
+    def _update_shard(self, bucket: Bucket) -> None:
+        """Apply Adam, in place, to this rank's part of the bucket's parameters, piece by
+        piece (a piece is one parameter's run of elements), as fairseq's Adam applies it
+        to each whole parameter; pieces without a gradient are left as they are."""
         group = self.param_groups[bucket.group]
         exp_avg, exp_avg_sq = self._exp_avg[bucket.index], self._exp_avg_sq[bucket.index]
-        grad = torch.empty_like(exp_avg)
-        runs: List[List[int]] = []  # [start, end, step] of shard ranges to update
-        for pc in pieces:
-            lo, hi = pc.offset, pc.offset + pc.numel
-            shard[lo:hi].copy_(self._flat(pc.param)[pc.param_offset : pc.param_offset + pc.numel])
+        for pc in bucket.shard_pieces(self.rank):
             g = self._params[pc.param].grad
             if g is None:
                 continue
-            grad[lo:hi].copy_(g.view(-1)[pc.param_offset : pc.param_offset + pc.numel])
-            step = self._steps[pc.param]
-            if runs and runs[-1][1] == lo and runs[-1][2] == step:
-                runs[-1][1] = hi
-            else:
-                runs.append([lo, hi, step])
-        for lo, hi, step in runs:
-            p = shard[lo:hi]
+            p = self._piece_view(pc)
+            grad = g.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
+            if grad.dtype in _LOW_PRECISION:
+                grad = grad.float()
             p_fp32 = p.float() if p.dtype in _LOW_PRECISION else p
-            _adam_update(p_fp32, grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step, group)
+            lo, hi = pc.offset, pc.offset + pc.numel
+            _adam_update(p_fp32, grad, exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param], group)
             if p_fp32 is not p:
                 p.copy_(p_fp32)
 
-    def _unpack(self, bucket: Bucket, buf: torch.Tensor, work) -> None:
+    def _start_exchange(self, bucket: Bucket):
+        """Start giving every rank this rank's updated shard of ``bucket`` and receiving
+        theirs (collective). Point to point straight between the parameters (gloo, whose
+        all-gather stages through temporary buffers), or one all-gather of the bucket
+        through a gather buffer (NCCL's fast path); ``self.exchange`` says which."""
+        if self.world_size == 1:
+            return None
+        if self.exchange == "p2p":
+            mine = [self._piece_view(pc) for pc in bucket.shard_pieces(self.rank)]
+            theirs = {
+                r: [self._piece_view(pc) for pc in bucket.shard_pieces(r)]
+                for r in range(self.world_size)
+                if r != self.rank
+            }
+            return collectives.exchange_pieces(mine, theirs, bucket.index, self.process_group)
+        buf = self._buffer(bucket, bucket.index)
+        c = bucket.shard_numel
+        shard = buf[self.rank * c : (self.rank + 1) * c]
+        for pc in bucket.shard_pieces(self.rank):
+            shard[pc.offset : pc.offset + pc.numel].copy_(self._piece_view(pc))
+        return buf, collectives.all_gather_bucket(buf, shard, self.process_group, self.world_size)
+
+    def _finish_exchange(self, bucket: Bucket, started) -> None:
+        if started is None:
+            return
+        if self.exchange == "p2p":
+            collectives.wait_all(started)
+            return
+        buf, work = started
         collectives.wait(work)
-        for pc in bucket.pieces:
-            self._flat(pc.param)[pc.param_offset : pc.param_offset + pc.numel].copy_(
-                buf[pc.offset : pc.offset + pc.numel]
-            )
+        c = bucket.shard_numel
+        for r in range(self.world_size):
+            if r == self.rank:  # already in place
+                continue
+            for pc in bucket.shard_pieces(r):
+                self._piece_view(pc).copy_(buf[r * c + pc.offset : r * c + pc.offset + pc.numel])
 
     # ------------------------------------------------------------------ state dict
 

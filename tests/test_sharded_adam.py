@@ -73,31 +73,33 @@ def run_steps(model, opt, first, last, scale=1.0):
         opt.step()
 
 
-def build(bucket_bytes):
+def build(bucket_bytes, exchange=None):
     from fairseq.optim.adam import Adam
 
     from fairseq_oss.sharded_adam import ShardedAdam
 
     model, ref = make_model(), make_model()
-    opt = ShardedAdam(param_groups(model, 1e-3), betas=(0.9, 0.98), eps=1e-6, bucket_bytes=bucket_bytes)
+    opt = ShardedAdam(param_groups(model, 1e-3), betas=(0.9, 0.98), eps=1e-6, bucket_bytes=bucket_bytes,
+                      exchange=exchange)
     ref_opt = Adam(param_groups(ref, 1e-3), betas=(0.9, 0.98), eps=1e-6)
     return model, opt, ref, ref_opt
 
 
-def parity_job(rank, world_size, bucket_bytes):
+def parity_job(rank, world_size, bucket_bytes, exchange):
     from fairseq_oss import collectives
 
-    model, opt, ref, ref_opt = build(bucket_bytes)
+    model, opt, ref, ref_opt = build(bucket_bytes, exchange)
     gathers = []
-    original = collectives.all_gather_bucket
+    name = {"p2p": "exchange_pieces", "all_gather": "all_gather_bucket"}[opt.exchange]
+    original = getattr(collectives, name)
 
     def counting(*args):
         gathers.append(1)
         return original(*args)
 
-    collectives.all_gather_bucket = counting
+    setattr(collectives, name, counting)
     run_steps(model, opt, 1, 1)
-    collectives.all_gather_bucket = original
+    setattr(collectives, name, original)
     run_steps(ref, ref_opt, 1, 1)
     run_steps(model, opt, 2, 20, scale=0.5)
     run_steps(ref, ref_opt, 2, 20, scale=0.5)
@@ -112,16 +114,21 @@ def parity_job(rank, world_size, bucket_bytes):
         "buckets": len(opt.partition.buckets),
         "gathers_per_step": len(gathers),
         "num_params": len(opt._params),
+        "exchange": opt.exchange,
     }
 
 
+@pytest.mark.parametrize("exchange", [None, "all_gather"], ids=["default-exchange", "all-gather"])
 @pytest.mark.parametrize("bucket_bytes", [SMALL_BUCKET, 32 * 2**20], ids=["small-buckets", "default-bucket"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_bitwise_parity_with_fairseq_adam(world_size, bucket_bytes):
+def test_bitwise_parity_with_fairseq_adam(world_size, bucket_bytes, exchange):
     """20 updates with two param groups, weight decay, a warm-up/decay schedule,
     clipped gradients, a parameter without gradient in steps 3-5 and a frozen one: the
-    parameters on every rank and the consolidated state equal fairseq's Adam bit for bit."""
-    results = run_ranks(world_size, parity_job, bucket_bytes)
+    parameters on every rank and the consolidated state equal fairseq's Adam bit for bit,
+    with either exchange of the step (gloo's default is point to point; NCCL's default,
+    the all-gather, is forced here to test it on CPU)."""
+    results = run_ranks(world_size, parity_job, bucket_bytes, exchange)
+    assert results[0]["exchange"] == (exchange or "p2p")  # the tests run on gloo
     for rank, res in enumerate(results):
         for name, want in res["ref_params"].items():
             assert torch.equal(res["params"][name], want), (rank, name)
@@ -135,7 +142,7 @@ def test_bitwise_parity_with_fairseq_adam(world_size, bucket_bytes):
     per_rank = [r["state_bytes"] for r in results]
     assert sum(per_rank) == total
     assert max(per_rank) <= total / world_size + 2 * 4 * results[0]["buckets"]
-    # One all-gather per bucket, not one per parameter.
+    # One exchange (all-gather, or set of point-to-point messages) per bucket.
     if world_size > 1:
         assert results[0]["gathers_per_step"] == results[0]["buckets"]
     if bucket_bytes > SMALL_BUCKET:
@@ -268,6 +275,7 @@ def test_state_dict_without_consolidation_raises():
     [
         ({"amsgrad": True}, ValueError, "amsgrad"),
         ({"bucket_bytes": 0}, ValueError, "bucket_bytes"),
+        ({"exchange": "ring"}, ValueError, "exchange must be 'p2p' or 'all_gather', got 'ring'"),
     ],
 )
 def test_constructor_rejects(kwargs, error, message):
