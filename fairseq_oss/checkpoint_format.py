@@ -444,6 +444,56 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+class MappedPages:
+    """The pages of a file mapping that hold some of its tensors (``torch.load(mmap=True)``
+    maps the whole file once; each tensor views part of it). A page of the mapping that a
+    reader touched counts in the process's resident memory for as long as the mapping
+    lives; :meth:`release` hands the touched pages back (``madvise(MADV_DONTNEED)``), so a
+    reader that copies the tensors out one at a time holds about one tensor's pages, not
+    all of them. Released pages are read again from the file if touched later: the
+    tensors keep their values, *provided nobody wrote to them* (a private mapping's written
+    pages would revert to the file's bytes). Only for tensors that are read, never written,
+    such as a checkpoint's model weights on their way into the model. No-op off Linux."""
+
+    _MADV_DONTNEED = 4
+
+    def __init__(self, tensors):
+        page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        ranges = []
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.nbytes() and t.device.type == "cpu":
+                ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        self.start = self.end = 0
+        if ranges:
+            # inward to whole pages: a page partly outside the tensors is not ours to drop
+            self.start = -(-min(lo for lo, _ in ranges) // page) * page
+            self.end = max(hi for _, hi in ranges) // page * page
+        self._madvise = _libc_madvise()
+
+    @property
+    def nbytes(self) -> int:
+        return max(0, self.end - self.start)
+
+    def release(self) -> None:
+        if self._madvise is not None and self.nbytes:
+            self._madvise(self.start, self.nbytes, self._MADV_DONTNEED)
+
+
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def load_mmap(path: str):
     """``torch.load`` with tensors mapped from the file, not read: a tensor's pages are
     read when touched. Raises CheckpointError naming the file on failure."""

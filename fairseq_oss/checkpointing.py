@@ -25,18 +25,23 @@ Load:
 1. ``Trainer.load_checkpoint`` (all ranks): rank 0 checks that the file opens and that
    every record outside the optimizer state matches its checksum; every rank learns the
    verdict, so a bad file stops all ranks with the same message instead of hanging them.
-2. ``checkpoint_utils.load_checkpoint_to_cpu`` (rank 0): the file is mapped, not read,
-   and its optimizer state is replaced by an :class:`OptimizerStateFile` handle, so
-   fairseq broadcasts no optimizer state.
+2. ``checkpoint_utils.load_checkpoint_to_cpu``: the file is mapped, not read, and its
+   optimizer state is replaced by an :class:`OptimizerStateFile` handle. With a shared
+   file system (the default) every rank maps the file itself, as fairseq's
+   ``--load-checkpoint-on-all-dp-ranks`` does, and nothing is broadcast; with
+   ``--oss-no-shared-fs`` rank 0 maps it and fairseq broadcasts the model and the handle.
+   The weights' pages are released as the model copies them in (:class:`MappedPages`).
 3. ``optimizer.load_state_dict(handle)`` (all ranks): each rank maps the file and copies
    its own slices (``ShardedAdam.load_from_checkpoint``).
 """
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
 
+import torch
 from fairseq import checkpoint_utils
 from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
@@ -46,6 +51,7 @@ from fairseq_oss.checkpoint_format import (
     CheckpointError,
     CheckpointReader,
     CheckpointWriter,
+    MappedPages,
     OptimizerStateFile,
     link_or_copy,
     load_mmap,
@@ -176,11 +182,45 @@ def load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
     if verdict != "ok":  # nothing to load, or torch's legacy format: fairseq's own path
         return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
     register_sharded_tensor_hooks(self.get_model())
-    _STATE.loading = (os.path.abspath(filename), None if reset_optimizer else _options(self))
+    options = _options(self)
+    _STATE.loading = (os.path.abspath(filename), None if reset_optimizer else options)
+    # With a shared file system every rank maps the file itself (fairseq's
+    # --load-checkpoint-on-all-dp-ranks), instead of rank 0 broadcasting the model: no
+    # pickled copy in flight, and the weights' pages come from the page cache.
+    ckpt_cfg = self.cfg.checkpoint
+    on_all_ranks = ckpt_cfg.load_checkpoint_on_all_dp_ranks
     try:
-        return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
+        if options["shared_fs"] and world_size > 1:
+            ckpt_cfg.load_checkpoint_on_all_dp_ranks = True
+        with releasing_mapped_weights(self.get_model(), lambda: getattr(_STATE, "model_pages", None)):
+            return _ORIGINAL["load_checkpoint"](self, filename, reset_optimizer, *args, **kwargs)
     finally:
+        ckpt_cfg.load_checkpoint_on_all_dp_ranks = on_all_ranks
         _STATE.loading = None
+        _STATE.model_pages = None
+
+
+@contextlib.contextmanager
+def releasing_mapped_weights(model, pages):
+    """While ``model`` loads a state dict whose tensors are mapped from a file, give the
+    pages copied so far back before each module loads its own, and after the last one:
+    the process then holds about one module's pages of the file at a time, not the whole
+    model's. ``pages()`` returns the :class:`MappedPages` of the state dict's tensors (or
+    None: nothing to release), and is asked at each module, since fairseq maps the file
+    only once the load has begun."""
+
+    def release(*_):
+        mapped = pages()
+        if mapped is not None:
+            mapped.release()
+
+    hooks = [m.register_load_state_dict_pre_hook(release) for m in model.modules()]
+    hooks.append(model.register_load_state_dict_post_hook(release))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _preflight(path, verify) -> str:
@@ -216,6 +256,8 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     if state.get("cfg") is not None:
         state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
     state = checkpoint_utils._upgrade_state_dict(state)
+    if isinstance(state.get("model"), dict):
+        _STATE.model_pages = MappedPages([t for t in state["model"].values() if torch.is_tensor(t)])
     options = loading[1]
     if options is None and has_optimizer_state:  # --reset-optimizer: nothing to read or broadcast
         state["last_optimizer_state"] = None

@@ -265,3 +265,70 @@ def test_save_and_load_memory_is_bounded(tmp_path, world_size):
         assert save_rise <= 3 * BUCKET + 16 * 2**20, (rank, save_rise)
         assert save_rise < total_state / 2
         assert load_rise <= shard_bytes + BUCKET + 16 * 2**20, (rank, load_rise, shard_bytes)
+
+
+# ---------------------------------------------------------------- mapped model weights
+
+
+def _rss_file() -> int:
+    """File-backed resident bytes of this process (what a mapping's touched pages add)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_mapped_pages_go_back_and_the_values_stay(tmp_path):
+    """Touched pages of a mapped checkpoint count in resident memory until released;
+    released pages are read again from the file, so the tensors keep their values."""
+    from fairseq_oss.checkpoint_format import MappedPages, load_mmap
+
+    torch.manual_seed(0)
+    want = {f"t{i}": torch.randn(2**20) for i in range(8)}  # 32 MiB
+    path = str(tmp_path / "w.pt")
+    torch.save(want, path)
+    got = load_mmap(path)
+    before = _rss_file()
+    assert all(torch.equal(got[k], want[k]) for k in want)  # reads every page
+    touched = _rss_file() - before
+    assert touched > 24 * 2**20, touched
+    pages = MappedPages(got.values())
+    assert 31 * 2**20 <= pages.nbytes <= 33 * 2**20
+    pages.release()
+    assert _rss_file() - before < 2 * 2**20
+    assert all(torch.equal(got[k], want[k]) for k in want)  # read again from the file
+
+
+def test_model_load_holds_one_module_of_mapped_weights(tmp_path):
+    """Loading a model from a mapped state dict under ``releasing_mapped_weights`` holds
+    about one module's pages of the file at a time (without it: all of them), and loads
+    the same values."""
+    from fairseq_oss.checkpoint_format import MappedPages, load_mmap
+    from fairseq_oss.checkpointing import releasing_mapped_weights
+    from fairseq_oss.memory import PeakRss
+
+    def model():
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 4 MiB each
+
+    torch.manual_seed(0)
+    src = model()
+    path = str(tmp_path / "m.pt")
+    torch.save(src.state_dict(), path)
+    rises = {}
+    for release in (False, True):
+        dst = model()
+        state = load_mmap(path)
+        pages = MappedPages(state.values())
+        with PeakRss() as peak:
+            if release:
+                with releasing_mapped_weights(dst, lambda: pages):
+                    dst.load_state_dict(state)
+            else:
+                dst.load_state_dict(state)
+        rises[release] = peak.rise
+        assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
+        del state
+    weights = sum(t.numel() * 4 for t in src.state_dict().values())
+    assert rises[False] > 0.75 * weights, rises
+    assert rises[True] < 2 * weights / 8 + 2 * 2**20, rises
