@@ -4,11 +4,14 @@ on the same transformer_lm and data, on CPU with gloo.
 
     python scripts/bench.py [--quick] [--out bench-results]
 
-For each contender: a run on 2 ranks that saves half-way and goes on (seconds per update at
-steady state, optimizer state on the largest rank against total/N, peak memory, save time
+For each contender: a run on 2 ranks that saves half-way and goes on (seconds per update and
+per optimizer step at steady state, optimizer state on the largest rank against total/N, peak memory, save time
 and the writer's memory rise, checkpoint size), then resumes of the half-way checkpoint on
 1, 2 and 4 ranks (wall time and each rank's memory rise during the load, and whether the
-resume on 2 ranks ends with the same parameters as the uninterrupted run). Prints a
+resume on 2 ranks ends with the same parameters as the uninterrupted run, and those on 1 and
+4 ranks as plain adam's resumes). Then one more 2-rank run of each contender in turn, for
+timing: seconds are medians over both runs' steady updates, so that a machine whose speed
+drifts over the minutes between contenders skews them less. Prints a
 markdown table with ratios to plain Adam, writes it to OUT/results.md with the raw figures
 (OUT/results.json) and a chart (OUT/results.png).
 
@@ -124,12 +127,20 @@ def bench_fairseq(name, size, data, work, baseline=None):
     return out
 
 
+def steady(seconds):
+    """The updates after warm-up (the first ones build buffers and caches)."""
+    return seconds[3:] if len(seconds) > 5 else seconds[1:]
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
 def train_figures(ranks, ckpt_bytes):
-    steps = ranks[0]["update_seconds"]
-    steady = steps[3:] if len(steps) > 5 else steps[1:]
     save = ranks[0]["saves"][0]
     return {
-        "seconds_per_update": sorted(steady)[len(steady) // 2],
+        "update_samples": steady(ranks[0]["update_seconds"]),
+        "step_samples": steady(ranks[0]["step_seconds"]),
         "state_bytes": [r["state_bytes"] for r in ranks],
         "peak_rss": [r["peak_rss"] for r in ranks],
         "save_seconds": max(r["saves"][0]["seconds"] for r in ranks),
@@ -172,7 +183,7 @@ def _zero_worker(rank, world_size, port, size, data, plan, out_dir):
     itr = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=size["max_tokens"],
                                   max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
                                   seed=1, num_shards=world_size, shard_id=rank).next_epoch_itr(shuffle=True)
-    record = {"update_seconds": [], "saves": [], "loads": []}
+    record = {"update_seconds": [], "step_seconds": [], "saves": [], "loads": []}
     start, end = plan["start"], plan["end"]
     if plan.get("load"):
         with Peak() as p:
@@ -192,7 +203,9 @@ def _zero_worker(rank, world_size, port, size, data, plan, out_dir):
         t0 = time.perf_counter()
         loss, sample_size, _ = criterion(ddp, sample)
         (loss / max(sample_size, 1)).backward()
+        t1 = time.perf_counter()
         opt.step()
+        record["step_seconds"].append(time.perf_counter() - t1)
         opt.zero_grad(set_to_none=True)
         record["update_seconds"].append(time.perf_counter() - t0)
         if update == start:
@@ -233,6 +246,17 @@ def zero_run(size, data, world_size, plan, out_dir):
     return ranks, wall
 
 
+def timing_round(name, size, data, work):
+    """One more 2-rank training run without saving: rank 0's steady update and step times."""
+    probe = os.path.join(work, "probe")
+    if name == "ZeroRedundancyOptimizer":
+        ranks, _ = zero_run(size, data, 2, {"start": 0, "end": size["updates"]}, probe)
+    else:
+        ranks, _ = fairseq_run(model_args(size, data) + FAIRSEQ[name], os.path.join(work, "save"), 2,
+                               size["updates"], probe, extra=["--no-save"])
+    return steady(ranks[0]["update_seconds"]), steady(ranks[0]["step_seconds"])
+
+
 def bench_zero(size, data, work):
     half, full = size["updates"] // 2, size["updates"]
     mid, final = os.path.join(work, "mid.pt"), os.path.join(work, "final.pt")
@@ -267,7 +291,7 @@ def fmt_ratio(value, base):
 def report(results, size, machine):
     base = results["adam"]
     rows = []
-    head = ["contender", "s/update (N=2)", "state on largest rank / (total/N), N=2", "same, N=4",
+    head = ["contender", "s/update (N=2)", "optimizer step s (N=2)", "state on largest rank / (total/N), N=2", "same, N=4",
             "peak RSS MB (max rank)", "save s", "writer rise MB (save)", "checkpoint MB",
             "resume N=1: s / max rise MB", "N=2", "N=4", "resumed = uninterrupted (N=2)",
             "resumed at N=1, 4 = adam resumed so"]
@@ -285,6 +309,7 @@ def report(results, size, machine):
         cells = [
             name,
             fmt_ratio(r["seconds_per_update"], base["seconds_per_update"]),
+            fmt_ratio(r["step_seconds"], base["step_seconds"]),
             f"{balance(r['state_bytes'], 2):.3f}",
             f"{balance(res[4]['state_bytes'], 4):.3f}" if "state_bytes" in res[4] else "n/a",
             fmt_ratio(max(r["peak_rss"]) / MB, max(base["peak_rss"]) / MB),
@@ -332,9 +357,10 @@ def chart(results, path):
     import matplotlib.pyplot as plt
 
     names = [n for n in CONTENDERS if n in results]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(20, 4))
     panels = [
         ("s / update (N=2)", [results[n]["seconds_per_update"] for n in names]),
+        ("optimizer step, s (N=2)", [results[n]["step_seconds"] for n in names]),
         ("largest rank's state, MB (N=2)", [max(results[n]["state_bytes"]) / MB for n in names]),
         ("writer's memory rise at save, MB", [results[n]["save_writer_rise"] / MB for n in names]),
         ("max rank's memory rise at resume on 4, MB",
@@ -368,7 +394,8 @@ def main(argv=None):
                        check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         data = os.path.join(data_root, "bin")
         results = {}
-        for name in [n for n in CONTENDERS if n in names]:
+        names = [n for n in CONTENDERS if n in names]
+        for name in names:
             print(f"bench: {name} ...", flush=True)
             d = os.path.join(work, name.replace(" ", "_"))
             os.makedirs(d)
@@ -376,6 +403,18 @@ def main(argv=None):
                 results[name] = bench_zero(size, data, d)
             else:
                 results[name] = bench_fairseq(name, size, data, d, baseline=results.get("adam"))
+        # Timing drifts on a shared machine over the minutes between contenders: one more
+        # training run of each, in turn, and the medians over both runs' steady updates.
+        for name in names:
+            print(f"bench: timing round, {name} ...", flush=True)
+            d = os.path.join(work, name.replace(" ", "_"), "timing")
+            os.makedirs(d)
+            updates, steps = timing_round(name, size, data, d)
+            results[name]["update_samples"] += updates
+            results[name]["step_samples"] += steps
+        for r in results.values():
+            r["seconds_per_update"] = median(r["update_samples"])
+            r["step_seconds"] = median(r["step_samples"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine = f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}, gloo"

@@ -1,7 +1,7 @@
 """Measurement probe for scripts/bench.py, loaded into fairseq-train with --user-dir.
 
 Records, on every rank, into $BENCH_PROBE_OUT/rank{R}.json when the process exits:
-seconds of each update, optimizer-state bytes held by this rank, peak resident memory,
+seconds of each update and of its optimizer step, optimizer-state bytes held by this rank, peak resident memory,
 and for each checkpoint save and load its wall time and the rise of this process's
 resident memory above where it was when the save or load began (sampled every ms).
 Changes nothing in what fairseq computes; builds one throwaway optimizer at start-up
@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 from fairseq import checkpoint_utils
+from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
 from fairseq_oss.memory import PeakRss as Peak
@@ -28,7 +29,7 @@ _OUT = os.environ.get("BENCH_PROBE_OUT")
 # contender, and not to the ZeroRedundancyOptimizer loop, which builds its optimizer
 # before it loads. Paid here, at start-up, for all alike.
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-RECORD = {"update_seconds": [], "saves": [], "loads": [], "state_bytes": None}
+RECORD = {"update_seconds": [], "step_seconds": [], "saves": [], "loads": [], "state_bytes": None}
 
 
 def state_bytes(trainer):
@@ -45,6 +46,7 @@ def state_bytes(trainer):
 
 
 _train_step = Trainer.train_step
+_optimizer_step = FairseqTask.optimizer_step
 _load = Trainer.load_checkpoint
 _save = checkpoint_utils.save_checkpoint
 
@@ -55,6 +57,13 @@ def train_step(self, *args, **kwargs):
     RECORD["update_seconds"].append(time.perf_counter() - t0)
     if RECORD["state_bytes"] is None:
         RECORD["state_bytes"] = state_bytes(self)
+    return out
+
+
+def optimizer_step(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = _optimizer_step(self, *args, **kwargs)
+    RECORD["step_seconds"].append(time.perf_counter() - t0)
     return out
 
 
@@ -84,6 +93,7 @@ def dump():
 
 
 Trainer.train_step = train_step
+FairseqTask.optimizer_step = optimizer_step
 Trainer.load_checkpoint = load_checkpoint
 checkpoint_utils.save_checkpoint = save_checkpoint
 atexit.register(dump)
