@@ -1,9 +1,10 @@
 """The few collectives the sharded optimizer uses, each on one flat bucket of tensors.
 
-Owns: world size and rank of a process group, the per-bucket exchange of the step
-(point to point, or one all-gather) and the per-bucket gather of a consolidation. Each function here is collective: every rank of
-the group calls it, in the same order, with buckets of the same layout. Nothing here is
-pickled: only tensors move. With one process they do no communication.
+Owns: world size and rank of a process group, the per-bucket exchange of the step (point
+to point, or one all-gather) and the per-bucket gather of a consolidation. Each function
+here is collective: every rank of the group calls it, in the same order, with buckets of
+the same layout. Nothing here is pickled: only tensors move. With one process they do no
+communication.
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -68,7 +69,9 @@ def wait_all(works: Sequence) -> None:
         w.wait()
 
 
-def exchange_pieces(mine: Sequence[torch.Tensor], theirs: Dict[int, Sequence[torch.Tensor]], slot: int, group) -> list:
+def exchange_pieces(
+    mine: Sequence[torch.Tensor], theirs: Dict[int, Sequence[torch.Tensor]], slot: int, group
+) -> list:
     """Start sending this rank's tensors ``mine`` to every rank in ``theirs`` and receiving
     rank ``r``'s tensors into ``theirs[r]``, in place (no staging buffer: the tensors may
     be views into parameters). Returns the works for :func:`wait_all`. Every rank passes
