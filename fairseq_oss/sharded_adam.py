@@ -121,6 +121,11 @@ class ShardedAdam(torch.optim.Optimizer):
         ]
         itemsize = max((p.element_size() for p in self._params), default=4)
         self.partition: Partition = partition(specs, self.world_size, max(1, bucket_bytes // itemsize))
+        # Each bucket's pieces as rank r's shard holds them (offsets within the shard): every
+        # step walks them, for its own rank's update and for every rank's exchange.
+        self._shards: List[List[Tuple[Piece, ...]]] = [
+            [b.shard_pieces(r) for r in range(self.world_size)] for b in self.partition.buckets
+        ]
         # For each parameter, the (bucket, piece) pairs of this rank's shards that hold it.
         self._param_shards = self.partition.param_shards(self.rank)
         self._steps: List[int] = [0] * len(self._params)
@@ -206,7 +211,7 @@ class ShardedAdam(torch.optim.Optimizer):
         to each whole parameter; pieces without a gradient are left as they are."""
         group = self.param_groups[bucket.group]
         exp_avg, exp_avg_sq = self._exp_avg[bucket.index], self._exp_avg_sq[bucket.index]
-        for pc in bucket.shard_pieces(self.rank):
+        for pc in self._shards[bucket.index][self.rank]:
             g = self._params[pc.param].grad
             if g is None:
                 continue
@@ -228,9 +233,9 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.world_size == 1:
             return None
         if self.exchange == "p2p":
-            mine = [self._piece_view(pc) for pc in bucket.shard_pieces(self.rank)]
+            mine = [self._piece_view(pc) for pc in self._shards[bucket.index][self.rank]]
             theirs = {
-                r: [self._piece_view(pc) for pc in bucket.shard_pieces(r)]
+                r: [self._piece_view(pc) for pc in self._shards[bucket.index][r]]
                 for r in range(self.world_size)
                 if r != self.rank
             }
@@ -238,7 +243,7 @@ class ShardedAdam(torch.optim.Optimizer):
         buf = self._buffer(bucket, bucket.index)
         c = bucket.shard_numel
         shard = buf[self.rank * c : (self.rank + 1) * c]
-        for pc in bucket.shard_pieces(self.rank):
+        for pc in self._shards[bucket.index][self.rank]:
             shard[pc.offset : pc.offset + pc.numel].copy_(self._piece_view(pc))
         return buf, collectives.all_gather_bucket(buf, shard, self.process_group, self.world_size)
 
@@ -254,7 +259,7 @@ class ShardedAdam(torch.optim.Optimizer):
         for r in range(self.world_size):
             if r == self.rank:  # already in place
                 continue
-            for pc in bucket.shard_pieces(r):
+            for pc in self._shards[bucket.index][r]:
                 self._piece_view(pc).copy_(buf[r * c + pc.offset : r * c + pc.offset + pc.numel])
 
     # ------------------------------------------------------------------ state dict
