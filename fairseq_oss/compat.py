@@ -21,12 +21,18 @@ early for the default world size of 1
 for the default ``--ddp-backend``
 ``_broadcast_object_slow`` ``torch.load``    ``weights_only=False`` for the object fairseq itself
 refuses DictConfig (torch >= 2.6)            pickled on rank 0 (any host)
+``--fp16``'s flat fp32 master copy           the flat copy of CPU parameters on the CPU, keyed
+(``build_fp32_params``) calls                by the CPU's device index (None), where fairseq's
+``torch.cuda.current_device()``              gradient and parameter syncs look it up
+``train_step`` on a gradient overflow        ``Tensor.cuda()`` returns the tensor itself during
+(fp16) builds ``torch.tensor(0.).cuda()``    ``Trainer.train_step`` (CPU-only hosts)
 ===========================================  ====================================================
 
 And one for ``fairseq-hydra-train`` only: Hydra's override grammar rejects a tuple such as
 ``optimizer.adam_betas=(0.9,0.98)`` (the form ``--adam-betas`` takes), so
 :func:`quote_tuple_overrides` passes such a value on as the string fairseq evaluates.
 """
+import contextlib
 import io
 import logging
 import os
@@ -37,6 +43,8 @@ import sys
 import torch
 from fairseq.distributed import utils as distributed_utils
 from fairseq.models import distributed_fairseq_model
+from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+from fairseq.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +144,45 @@ def _broadcast_object_slow(obj, src_rank, group, dist_device):
     return torch.load(io.BytesIO(buffer.cpu().numpy()), map_location="cpu", weights_only=False)
 
 
+def build_fp32_params(cls, args, params, flatten=True):
+    """fairseq's, but a flat master copy of CPU parameters is built on the CPU. fairseq
+    keys the flat copy by ``torch.cuda.current_device()`` and finds the parameters of
+    each copy by ``p.device.index``; a CPU tensor's index is None, so the copy is keyed
+    None. Same layout and values as fairseq's: the parameters in order, end to end."""
+    if _cuda() or not flatten or not params or any(p.device.type != "cpu" for p in params):
+        return _ORIGINAL["build_fp32_params"](args, params, flatten=flatten)
+    total = sum(p.data.numel() for p in params)
+    flat = params[0].new(0).float().new(total)
+    offset = 0
+    for p in params:
+        flat[offset : offset + p.data.numel()].copy_(p.data.view(-1))
+        offset += p.data.numel()
+    flat = torch.nn.Parameter(flat)
+    flat.grad = flat.data.new(total)
+    return {params[0].device.index: flat}
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """On a host without CUDA, ``Tensor.cuda()`` returns the tensor (for the block only)."""
+    if _cuda():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def train_step(self, samples, raise_oom=False):
+    """fairseq's, where the only CUDA call on a CPU run's path, the zero gradient norm
+    of a step skipped for an fp16 overflow, stays on the CPU."""
+    with _tensor_cuda_is_identity():
+        return _ORIGINAL["train_step"](self, samples, raise_oom)
+
+
 def DistributedDataParallel(module, *args, device_ids=None, output_device=None, **kwargs):
     """torch's DDP, with ``device_ids``/``output_device`` dropped for a CPU module (DDP
     requires ``None`` there; fairseq always passes ``[device_id]``)."""
@@ -171,6 +218,8 @@ _PATCHES = [
     (distributed_utils, "distributed_init", distributed_init),
     (distributed_utils, "_broadcast_object_slow", _broadcast_object_slow),
     (distributed_fairseq_model, "DistributedDataParallel", DistributedDataParallel),
+    (_FP16OptimizerMixin, "build_fp32_params", classmethod(build_fp32_params)),
+    (Trainer, "train_step", train_step),
 ]
 
 

@@ -81,6 +81,18 @@ class ShardedAdam(torch.optim.Optimizer):
         collective: call them on all ranks of ``process_group``, in the same order.
     """
 
+    # What fairseq's mixed-precision wrappers ask of an optimizer (fairseq's own Adam
+    # answers the same). --fp16 hands over one flat fp32 master tensor: the partition is
+    # element-granular, so it shards like any other parameter. --memory-efficient-fp16
+    # hands over the fp16/bf16 parameters themselves: the state is fp32 (_state_dtype)
+    # and each piece is updated in fp32, as fairseq's Adam does.
+    supports_flat_params = True
+    supports_memory_efficient_fp16 = True
+    # MemoryEfficientFP16Optimizer.load_state_dict would otherwise copy the whole loaded
+    # state into ``self.state`` (its workaround for torch casting fp32 state to fp16):
+    # this optimizer keeps its own fp32 shards and loads only them.
+    disable_mem_eff_fp16_loading_hack = True
+
     def __init__(
         self,
         params,
