@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from fairseq import optim
 from fairseq.distributed import utils as distributed_utils
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
@@ -56,8 +57,12 @@ class FairseqOSSAdam(FairseqOptimizer):
             raise NotImplementedError("--fp16-adam-stats is not supported by oss_adam")
         if getattr(cfg, "tpu", False):
             raise NotImplementedError("oss_adam does not support TPUs")
-        if not cfg.oss_bucket_mb > 0 or not math.isfinite(cfg.oss_bucket_mb):
-            raise ValueError(f"--oss-bucket-mb must be a positive number, got {cfg.oss_bucket_mb}")
+        bucket_bytes = int(cfg.oss_bucket_mb * 2**20) if math.isfinite(cfg.oss_bucket_mb) else 0
+        if bucket_bytes < 1:
+            raise ValueError(
+                f"--oss-bucket-mb must be a finite size of at least one byte "
+                f"({1 / 2**20:.1e} MiB), got {cfg.oss_bucket_mb}"
+            )
         group = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             group = distributed_utils.get_data_parallel_group()
@@ -65,7 +70,7 @@ class FairseqOSSAdam(FairseqOptimizer):
             params,
             **self.optimizer_config,
             process_group=group,
-            bucket_bytes=int(cfg.oss_bucket_mb * 2**20),
+            bucket_bytes=bucket_bytes,
         )
         device = next(iter(self._optimizer._params), torch.empty(0)).device
         per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
@@ -89,3 +94,26 @@ class FairseqOSSAdam(FairseqOptimizer):
 # whose name differs. An oss_adam checkpoint holds FairseqAdam's state in FairseqAdam's
 # format, so it says so: stock adam resumes it, and it resumes stock adam's.
 FairseqOSSAdam.__name__ = FairseqOSSAdam.__qualname__ = "FairseqAdam"
+
+
+def _refusing_zero_sharding(fairseq_shard):
+    """fairseq's ``optim.shard_`` (``--zero-sharding os``: fairscale's OSS around the
+    optimizer), refusing oss_adam: fairscale would build one oss_adam per rank over
+    different parameters, and their collectives would not match (gloo aborts, NCCL
+    hangs). Called by the trainer as it builds the optimizer, on every rank alike."""
+
+    def shard_(optimizer, group):
+        if isinstance(getattr(optimizer, "optimizer", None), ShardedAdam):
+            raise ValueError(
+                "--optimizer oss_adam already shards Adam's state across the data-parallel "
+                "ranks; --zero-sharding os would shard it a second time. Remove "
+                "--zero-sharding os (or use --optimizer adam with --zero-sharding os)."
+            )
+        return fairseq_shard(optimizer, group)
+
+    shard_.refuses_oss_adam = True
+    return shard_
+
+
+if not getattr(optim.shard_, "refuses_oss_adam", False):
+    optim.shard_ = _refusing_zero_sharding(optim.shard_)
