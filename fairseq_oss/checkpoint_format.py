@@ -12,8 +12,9 @@ disk as it comes, and no process ever holds it whole. Two additions, both ignore
   parameter's Adam state lies, so that a rank can read and verify only its own slice;
 * the zip's own CRC32 fields are right, so ``unzip -t`` checks the file too.
 
-Writing is durable: a temporary file in the target's directory, fsync, rename, fsync of
-the directory. Until the rename, the previous checkpoint of that name is untouched.
+Writing is durable: a locked temporary file in the target's directory, fsync, rename,
+fsync of the directory (:mod:`fairseq_oss.files`). Until the rename, the previous
+checkpoint of that name is untouched.
 """
 import collections
 import io
@@ -22,13 +23,14 @@ import os
 import pickle
 import struct
 import sys
-import uuid
 import zipfile
 import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+
+from fairseq_oss.files import TemporaryFile, remove_stale_temporaries
 
 CHUNK_BYTES = 1 << 20
 MANIFEST = "fairseq_oss.json"
@@ -185,12 +187,13 @@ class CheckpointWriter:
     with the object to pickle; or :meth:`abort`. Only the writing rank creates one."""
 
     def __init__(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
         self.directory = directory
         remove_stale_temporaries(directory)
-        self.tmp_path = os.path.join(directory, f".fairseq-oss-{uuid.uuid4().hex}.tmp")
-        self._file = open(self.tmp_path, "wb")
+        self._tmp = TemporaryFile(directory)
+        self.tmp_path = self._tmp.path
+        self._file = self._tmp.file
         self._zip = zipfile.ZipFile(self._file, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._open_streams = []
         self._next_key = 0
         self.records: Dict[str, Dict] = {}
         self.extra_manifest: Dict = {}
@@ -254,18 +257,19 @@ class CheckpointWriter:
         manifest = {"format": FORMAT, "chunk_bytes": CHUNK_BYTES, "records": self.records, **self.extra_manifest}
         self.write_record(MANIFEST, json.dumps(manifest, sort_keys=True).encode())
         self._zip.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        commit(self.tmp_path, path)
+        self._tmp.commit(path)
 
     def abort(self) -> None:
-        try:
-            self._zip.close()
-            self._file.close()
-        finally:
-            if os.path.exists(self.tmp_path):
-                os.remove(self.tmp_path)
+        """Throw the file away. Never raises: it runs while another error (a failed
+        collective, a full disk, Ctrl-C) is on its way up, and that error is the one the
+        user must see. A record may be half written: the zip is not finished (no
+        directory is written to a file about to be removed), only closed."""
+        for stream in self._open_streams:
+            io.BufferedIOBase.close(stream)  # closed, without zipfile's bookkeeping
+        self._open_streams.clear()
+        self._zip._writing = False
+        self._zip.fp = None  # ZipFile.close() and __del__ then write nothing
+        self._tmp.discard()
 
 
 class _RecordStream:
@@ -276,9 +280,11 @@ class _RecordStream:
     def __init__(self, writer: CheckpointWriter, name: str):
         self.writer, self.name = writer, name
         self._crc = _ChunkedCrc()
+        self.failed = False
 
     def __enter__(self):
         self._out = self.writer._zip.open(self.writer._zipinfo(self.name), "w", force_zip64=True)
+        self.writer._open_streams.append(self._out)
         return self
 
     def write(self, data) -> None:
@@ -286,59 +292,27 @@ class _RecordStream:
             data = _bytes_of(data)
         elif isinstance(data, (bytes, bytearray)):
             data = memoryview(data)
-        self._crc.update(data)
-        # zipfile's _ZipWriteFile.write without its crc32 (stored records: no compressor)
-        self._out._file_size += len(data)
-        self._out._compress_size += len(data)
-        self._out._fileobj.write(data)
+        try:
+            self._crc.update(data)
+            # zipfile's _ZipWriteFile.write without its crc32 (stored records: no compressor)
+            self._out._file_size += len(data)
+            self._out._compress_size += len(data)
+            self._out._fileobj.write(data)
+        except BaseException:
+            self.failed = True
+            raise
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None or self.failed:
+            # Left open, out of the manifest: the writer is to be aborted, and closing
+            # the record could only raise over the error that got us here.
+            return False
         crcs = self._crc.close()
         self._out._crc = self._crc.whole()
         self._out.close()
-        if exc[0] is None:
-            self.writer.records[self.name] = {"nbytes": self._crc.nbytes, "crc32": crcs}
+        self.writer._open_streams.remove(self._out)
+        self.writer.records[self.name] = {"nbytes": self._crc.nbytes, "crc32": crcs}
         return False
-
-
-def remove_stale_temporaries(directory: str) -> None:
-    """Remove what a killed writer left in ``directory`` (one writer per directory at a
-    time: rank 0 of one training run)."""
-    for name in os.listdir(directory):
-        if name.startswith(".fairseq-oss-") and name.endswith(".tmp"):
-            try:
-                os.remove(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit(tmp_path: str, path: str) -> None:
-    """Rename a fully written, fsynced file into place and make the rename durable."""
-    os.replace(tmp_path, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def link_or_copy(src: str, dst: str) -> None:
-    """Make ``dst`` the same file as ``src``: a hard link where the file system allows,
-    a copy where not; atomically, through a temporary name in ``dst``'s directory."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".fairseq-oss-{uuid.uuid4().hex}.tmp")
-    try:
-        os.link(src, tmp)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    commit(tmp, dst)
 
 
 # ---------------------------------------------------------------------- reading

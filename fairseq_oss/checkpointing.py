@@ -14,7 +14,13 @@ Save, in fairseq's order:
 2. ``Trainer.state_dict()`` (rank 0): the optimizer's entry holds placeholders.
 3. ``checkpoint_utils.torch_persistent_save`` (rank 0): the writer pickles the rest,
    writes the manifest and renames the file into place (fsync'd).
-4. ``PathManager.copy`` of that file to ``checkpoint_last.pt`` etc.: a hard link.
+4. ``PathManager.copy`` of that file to ``checkpoint_last.pt`` etc.: an independent file
+   (a reflink where the file system has them, else a copy), renamed into place, whoever
+   wrote the source: never a hard link, never a write through an existing name
+   (:func:`fairseq_oss.files.clone_or_copy`).
+
+Files written through ``torch_persistent_save`` for other optimizers go through a locked,
+fsync'd temporary too.
 
 Both register the plugin's state-dict hooks on the model
 (:mod:`fairseq_oss.sharded_tensors`): DTensor parameters are saved full and re-sharded
@@ -40,6 +46,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import torch
 from fairseq import checkpoint_utils
@@ -53,9 +60,9 @@ from fairseq_oss.checkpoint_format import (
     CheckpointWriter,
     MappedPages,
     OptimizerStateFile,
-    link_or_copy,
     load_mmap,
 )
+from fairseq_oss.files import TemporaryFile, clone_or_copy
 from fairseq_oss.sharded_adam import UNAVAILABLE, ShardedAdam
 from fairseq_oss.sharded_tensors import has_dtensor, register_sharded_tensor_hooks
 
@@ -63,7 +70,6 @@ logger = logging.getLogger(__name__)
 
 _ORIGINAL = {}
 _STATE = threading.local()
-_WRITTEN = set()  # absolute paths of files this process wrote with a CheckpointWriter
 
 
 def sharded_optimizer(trainer):
@@ -136,7 +142,16 @@ def torch_persistent_save(obj, filename, async_write: bool = False):
         )
         obj = {k: v for k, v in obj.items() if k != "last_optimizer_state"}
     if writer is None:
-        return _ORIGINAL["torch_persistent_save"](obj, filename, async_write)
+        if async_write or checkpoint_utils.PathManager.path_requires_pathmanager(filename):
+            return _ORIGINAL["torch_persistent_save"](obj, filename, async_write)
+        tmp = TemporaryFile(os.path.dirname(os.path.abspath(filename)))
+        try:
+            torch.save(obj, tmp.file)
+            tmp.commit(filename)
+        except BaseException:
+            tmp.discard()
+            raise
+        return
     if async_write:
         logger.info("oss_adam writes %s synchronously (its state streams from all ranks)", filename)
     try:
@@ -144,11 +159,12 @@ def torch_persistent_save(obj, filename, async_write: bool = False):
     except BaseException:
         writer.abort()
         raise
-    _WRITTEN.add(os.path.abspath(filename))
 
 
-class _LinkingPathManager:
-    """fairseq's PathManager, but ``copy`` of a file this process wrote is a hard link."""
+class _CopyingPathManager:
+    """fairseq's PathManager, but ``copy`` between local paths makes an independent file
+    (reflink or copy) renamed over the destination: fairseq's own ``shutil.copyfile``
+    writes *through* the destination, which changes every file hard-linked to it."""
 
     def __init__(self, path_manager):
         self._pm = path_manager
@@ -157,11 +173,25 @@ class _LinkingPathManager:
         return getattr(self._pm, name)
 
     def copy(self, src_path, dst_path, overwrite=False, **kwargs):
-        if os.path.abspath(src_path) in _WRITTEN and (overwrite or not os.path.exists(dst_path)):
-            link_or_copy(src_path, dst_path)
-            _WRITTEN.add(os.path.abspath(dst_path))
-            return True
-        return self._pm.copy(src_path, dst_path, overwrite, **kwargs)
+        if self._pm.path_requires_pathmanager(src_path) or self._pm.path_requires_pathmanager(dst_path):
+            return self._pm.copy(src_path, dst_path, overwrite, **kwargs)
+        clone_or_copy(src_path, dst_path)
+        return True
+
+
+def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+    """fairseq's, timed whole for oss_adam: fairseq's "writing took" starts after the
+    optimizer state was gathered (and, for oss_adam, mostly written)."""
+    if not _uses_oss_adam(trainer):
+        return _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+    start = time.perf_counter()
+    result = _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+    if trainer.should_save_checkpoint_on_current_rank and not cfg.no_save:
+        logger.info(
+            "oss_adam: the checkpoint save took %.2f seconds in all (gathering and writing "
+            "the optimizer state, the rest of the file and its copies)", time.perf_counter() - start,
+        )
+    return result
 
 
 # ---------------------------------------------------------------------- load
@@ -281,6 +311,7 @@ _PATCHES = [
     (Trainer, "consolidate_optimizer", consolidate_optimizer),
     (Trainer, "load_checkpoint", load_checkpoint),
     (checkpoint_utils, "torch_persistent_save", torch_persistent_save),
+    (checkpoint_utils, "save_checkpoint", save_checkpoint),
     (checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu),
     (Trainer, "always_call_state_dict_during_save_checkpoint", property(always_call_state_dict_during_save_checkpoint)),
 ]
@@ -292,8 +323,8 @@ def apply() -> None:
         if name not in _ORIGINAL:
             _ORIGINAL[name] = getattr(owner, name)
             setattr(owner, name, replacement)
-    if not isinstance(checkpoint_utils.PathManager, _LinkingPathManager):
-        checkpoint_utils.PathManager = _LinkingPathManager(checkpoint_utils.PathManager)
+    if not isinstance(checkpoint_utils.PathManager, _CopyingPathManager):
+        checkpoint_utils.PathManager = _CopyingPathManager(checkpoint_utils.PathManager)
 
 
 apply()

@@ -20,6 +20,7 @@ The step updates each rank's shard in place, in the parameters' own memory, and 
 to the other ranks straight from there (point to point on gloo) or through one gather
 buffer per bucket (NCCL's all-gather): on gloo, no copy of a parameter or gradient at all.
 """
+import contextlib
 import math
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -353,25 +354,26 @@ class ShardedAdam(torch.optim.Optimizer):
             p0 = self._params[seg.param_offsets[0][0]] if seg.param_offsets else None
             dtype = _state_dtype(p0.dtype) if p0 is not None else torch.float32
             for key, local in self._state_keys():
-                ref = out = None
-                if writer is not None and error is None:
-                    try:
-                        ref = StorageRef(writer.new_key(), dtype, seg.numel)
-                        out = writer.stream(f"data/{ref.key}").__enter__()
-                    except Exception as e:  # noqa: BLE001 - re-raised after the gathers
-                        error = e
-                for bi in seg.buckets:
-                    b = self.partition.buckets[bi]
-                    gathered = collectives.gather_shards(
-                        local[b.index], self._ranges(b), recipient_rank, self.process_group, out_buffers.get(b.kind)
-                    )
-                    if out is not None and error is None:
+                ref = None
+                with contextlib.ExitStack() as record:
+                    out = None
+                    if writer is not None and error is None:
                         try:
-                            out.write(gathered[: b.numel])
-                        except Exception as e:  # noqa: BLE001
+                            ref = StorageRef(writer.new_key(), dtype, seg.numel)
+                            out = record.enter_context(writer.stream(f"data/{ref.key}"))
+                        except Exception as e:  # noqa: BLE001 - raised after the gathers
                             error = e
-                if out is not None:
-                    out.__exit__(type(error) if error else None, error, None)
+                    for bi in seg.buckets:
+                        b = self.partition.buckets[bi]
+                        gathered = collectives.gather_shards(
+                            local[b.index], self._ranges(b), recipient_rank, self.process_group,
+                            out_buffers.get(b.kind)
+                        )
+                        if out is not None and error is None:
+                            try:
+                                out.write(gathered[: b.numel])
+                            except Exception as e:  # noqa: BLE001
+                                error = e
                 if ref is not None and error is None:
                     for param, offset in seg.param_offsets:
                         views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]

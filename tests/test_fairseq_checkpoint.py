@@ -95,14 +95,51 @@ def test_oss_adam_resumes_fairscale_oss_checkpoint(data, tmp_path):
     assert_same_training_state(got, want)
 
 
-def test_aliases_are_links_and_old_checkpoints_are_deleted(data, tmp_path):
+def test_aliases_are_independent_files_and_old_checkpoints_are_deleted(data, tmp_path):
     d = str(tmp_path / "run")
     train(data, d, "oss_adam", 2, 6, extra=["--save-interval-updates", "2", "--keep-interval-updates", "1"])
     names = sorted(os.listdir(d))
     assert [n for n in names if n.endswith(".pt")] == ["checkpoint_1_6.pt", "checkpoint_last.pt"]
     assert not [n for n in names if n.endswith(".tmp")]
-    assert os.stat(os.path.join(d, "checkpoint_1_6.pt")).st_ino == os.stat(ckpt(d)).st_ino
+    assert os.stat(os.path.join(d, "checkpoint_1_6.pt")).st_ino != os.stat(ckpt(d)).st_ino
+    assert digest(os.path.join(d, "checkpoint_1_6.pt")) == digest(ckpt(d))
     assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6
+
+
+def test_writing_one_name_never_changes_another_checkpoint(data, tmp_path):
+    """An oss_adam save directory, then what users do in it: resume with --optimizer adam
+    (fairseq copies checkpoint_last.pt over itself), resume with --no-save-optimizer-state,
+    and write a checkpoint in place as fairseq's scripts/average_checkpoints.py --output
+    does (torch.save to an existing name). The numbered checkpoints never change."""
+    d = str(tmp_path / "run")
+    train(data, d, "oss_adam", 2, 4, extra=["--save-interval-updates", "2"])
+    numbered = [os.path.join(d, n) for n in ("checkpoint_1_2.pt", "checkpoint_1_4.pt")]
+    before = [digest(p) for p in numbered]
+    train(data, d, "adam", 2, 6, extra=["--save-interval-updates", "2"])
+    train(data, d, "oss_adam", 2, 8, extra=["--save-interval-updates", "2", "--no-save-optimizer-state"])
+    assert [digest(p) for p in numbered] == before
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 8
+    torch.save({"averaged": torch.zeros(3)}, ckpt(d))
+    torch.save({"averaged": torch.ones(3)}, os.path.join(d, "checkpoint_1_8.pt"))
+    assert [digest(p) for p in numbered] == before
+    assert load(os.path.join(d, "checkpoint_1_6.pt"))["optimizer_history"][-1]["num_updates"] == 6
+
+
+def test_two_runs_share_a_save_directory(data, tmp_path):
+    """Two runs at once in one directory (--checkpoint-suffix _a / _b), saving at every
+    update: neither removes the other's temporaries, both finish with their checkpoints."""
+    d = str(tmp_path / "shared")
+    procs = [
+        subprocess.Popen(train_cmd(data, d, "oss_adam", 1, 8, "--save-interval-updates", "1",
+                                   "--checkpoint-suffix", sfx, "--seed", str(seed)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for sfx, seed in (("_a", 1), ("_b", 2))
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    for sfx in ("_a", "_b"):
+        assert load(os.path.join(d, f"checkpoint_last{sfx}.pt"))["optimizer_history"][-1]["num_updates"] == 8
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
 
 
 def _flip_byte(path, record_kind):
