@@ -17,6 +17,7 @@ fsync of the directory (:mod:`fairseq_oss.files`). Until the rename, the previou
 checkpoint of that name is untouched.
 """
 import collections
+import hashlib
 import io
 import json
 import os
@@ -30,6 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fairseq_oss import safe_load
 from fairseq_oss.files import TemporaryFile, remove_stale_temporaries
 
 CHUNK_BYTES = 1 << 20
@@ -470,9 +472,28 @@ def _libc_madvise():
 
 def load_mmap(path: str):
     """``torch.load`` with tensors mapped from the file, not read: a tensor's pages are
-    read when touched. Raises CheckpointError naming the file on failure."""
+    read when touched; ``weights_only`` (no code from the file runs) unless the user
+    trusts files (:mod:`fairseq_oss.safe_load`). Raises CheckpointError naming the file
+    (and, for a refused file, the types it holds) on failure."""
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not safe_load.trusted())
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot be loaded ({_first_line(e)})") from None
+        raise CheckpointError(safe_load.refusal(path, e) or f"{path}: cannot be loaded ({_first_line(e)})") from None
+
+
+def fingerprint(path: str) -> str:
+    """A digest of the zip's central directory: every record's name, size and CRC32 (for
+    a fairseq-oss file that includes the manifest, which holds every chunk's CRC). Two
+    files with the same fingerprint hold the same bytes, whoever wrote them; reading it
+    costs the directory only.
+
+    Raises:
+        CheckpointError: if the file is not a readable zip.
+    """
+    try:
+        with zipfile.ZipFile(path) as z:
+            entries = [(i.filename, i.file_size, i.CRC) for i in z.infolist()]
+    except (OSError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 

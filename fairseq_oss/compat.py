@@ -128,7 +128,9 @@ def distributed_init(cfg):
 
 def _broadcast_object_slow(obj, src_rank, group, dist_device):
     """fairseq's own, with ``weights_only=False``: the object is the one fairseq pickled
-    on ``src_rank`` of its own group a moment ago (a checkpoint it read)."""
+    on ``src_rank`` of its own group a moment ago, a checkpoint that rank loaded safely
+    (``weights_only``, :mod:`fairseq_oss.safe_load`), so it holds no type that could run
+    code; but it holds omegaconf's config objects, which the safe unpickler does not build."""
     if distributed_utils.get_rank(group) == src_rank:
         buffer = io.BytesIO()
         torch.save(obj, buffer)

@@ -8,6 +8,7 @@ equal checkpoints mean the optimizer state crossed over exactly.
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from checks import assert_same_training_state, load
-from test_fairseq_train import BIN, COMMON, ENV, FIRST, RESUMED, WITHOUT_HOOK, ckpt, train
+from test_fairseq_train import BIN, COMMON, ENV, FIRST, RESUMED, WITHOUT_HOOK, ckpt, free_port, train
 
 PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "faults")
 
@@ -214,3 +215,90 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(data, tmp_path):
     assert "(epoch 1 @ 2 updates)" in log
     assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6
     assert not any(n.endswith(".tmp") for n in os.listdir(d))
+
+
+def launch_per_rank(data, save_dirs, optimizer, max_update, *extra, timeout=240):
+    """One fairseq-train process per rank, each with its own --save-dir: ranks on nodes
+    that do not share a file system (or see different files under one name). Returns
+    (exit codes, rank 0's output)."""
+    port = free_port()
+    procs = []
+    for rank, d in enumerate(save_dirs):
+        cmd = train_cmd(data, d, optimizer, 1, max_update, *extra) + [
+            "--distributed-world-size", str(len(save_dirs)), "--distributed-rank", str(rank),
+            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV))
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs[0]
+
+
+@pytest.fixture(scope="module")
+def three_ranks(data, tmp_path_factory):
+    """A save directory at FIRST updates (3 ranks) that also holds an older checkpoint,
+    and where a resume from it on a shared file system ends (the reference)."""
+    root = tmp_path_factory.mktemp("three-ranks")
+    src, reference = str(root / "src"), str(root / "reference")
+    train(data, src, "oss_adam", 3, FIRST, extra=["--save-interval-updates", "2"])
+    shutil.copytree(src, reference)
+    train(data, reference, "oss_adam", 3, RESUMED)
+    return src, reference
+
+
+@pytest.mark.parametrize("other_ranks_see", ["nothing", "an older file"])
+def test_ranks_that_see_another_file_get_rank0s(data, three_ranks, tmp_path, other_ranks_see):
+    """Ranks 1 and 2 do not see rank 0's checkpoint_last.pt (no shared file system), or
+    see an older one under the same name: they get the model and their optimizer slices
+    from rank 0 (logged), never from their own file, and the run continues exactly as a
+    resume on a shared file system does."""
+    src, reference = three_ranks
+    dirs = [str(tmp_path / f"node{r}") for r in range(3)]
+    shutil.copytree(src, dirs[0])
+    for d in dirs[1:]:
+        os.makedirs(d)
+        if other_ranks_see == "an older file":
+            shutil.copyfile(os.path.join(src, "checkpoint_1_2.pt"), ckpt(d))
+    codes, out = launch_per_rank(data, dirs, "oss_adam", RESUMED)
+    assert codes == [0, 0, 0], out[-3000:]
+    what = "sees no file" if other_ranks_see == "nothing" else "sees another file"
+    assert f"rank 1 on {socket.gethostname()} {what}" in out and "rank 0 reads it and sends" in out
+    assert f"(epoch 1 @ {FIRST} updates)" in out
+    assert_same_training_state(ckpt(dirs[0]), ckpt(reference))
+
+
+def test_a_checkpoint_rank0_does_not_see_stops_every_rank(data, saved, tmp_path):
+    """Rank 0 sees no checkpoint, rank 1 does: neither starts afresh nor hangs; both stop
+    with an error that names the node and the file."""
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    os.makedirs(dirs[0])
+    shutil.copytree(saved["oss_adam"], dirs[1])
+    codes, out = launch_per_rank(data, dirs, "oss_adam", RESUMED)
+    assert codes[0] != 0 and codes[1] != 0
+    assert f"{ckpt(dirs[0])}: rank 0 on {socket.gethostname()} sees no checkpoint there, but rank 1 on" in out
+    assert not os.path.exists(ckpt(dirs[0]))
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("optimizer", ["oss_adam", "adam"])
+def test_a_checkpoint_that_would_run_code_is_refused(data, saved, tmp_path, optimizer):
+    """A checkpoint crafted to run a shell command when unpickled: resuming from it stops
+    every rank with an error naming the type, and the command never runs; with torch's
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (the user trusts the file) it is loaded."""
+    d = str(tmp_path / "run")
+    shutil.copytree(saved[optimizer], d)
+    marker = str(tmp_path / "code-ran")
+    state = load(ckpt(d))
+    state["extra_state"]["payload"] = _RunsCode(marker)
+    os.remove(ckpt(d))
+    torch.save(state, ckpt(d))
+    rc, out = attempt(train_cmd(data, d, optimizer, 2, RESUMED), timeout=180)
+    assert rc != 0 and not os.path.exists(marker)
+    assert f"{ckpt(d)}: refused: it holds posix.system" in out and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1" in out
+    rc, out = attempt(train_cmd(data, d, optimizer, 1, FIRST + 1), env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    assert os.path.exists(marker), out[-2000:]
