@@ -6,10 +6,17 @@ here is collective: every rank of the group calls it, in the same order, with bu
 the same layout. Nothing here is pickled: only tensors move. With one process they do no
 communication.
 """
+import contextlib
+import logging
+import os
+import threading
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 def world_size_and_rank(group) -> Tuple[int, int]:
@@ -37,8 +44,13 @@ def all_gather_ints(value: int, group, device=None) -> List[int]:
         return [int(value)]
     out = torch.empty(world_size, dtype=torch.int64, device=device)
     mine = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    _all_gather_single(out, mine, group=group)
     return out.tolist()
+
+
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every rank) for
+# all_gather_single, the same collective; older torch has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _global_rank(group, rank: int) -> int:
@@ -56,7 +68,7 @@ def all_gather_bucket(bucket: torch.Tensor, shard: torch.Tensor, group, world_si
     """
     if world_size == 1:
         return None
-    return dist.all_gather_into_tensor(bucket, shard, group=group, async_op=True)
+    return _all_gather_single(bucket, shard, group=group, async_op=True)
 
 
 def wait(work) -> None:
@@ -109,17 +121,58 @@ def gather_shards(
     if rank == recipient:
         start, end = ranges[rank]
         out[start:end].copy_(local)
-        works = [
-            dist.irecv(out[s:e], src=_global_rank(group, r), group=group)
+        works = {
+            r: dist.irecv(out[s:e], src=_global_rank(group, r), group=group)
             for r, (s, e) in enumerate(ranges)
             if r != rank and e > s
-        ]
-        for w in works:
-            w.wait()
+        }
+        with _reporting_waits(works, "gathering the optimizer state"):
+            for w in works.values():
+                w.wait()
         return out[:numel]
     if local.numel():
         dist.send(local, dst=_global_rank(group, recipient), group=group)
     return None
+
+
+# How long a rank waits for others in a consolidation before it logs whom it waits for
+# (then again at that interval): a rank that was stopped or is stuck otherwise leaves
+# the others silent until the process group's timeout (30 minutes by default).
+AWAIT_LOG_SECONDS = float(os.environ.get("FAIRSEQ_OSS_AWAIT_LOG_SECONDS", "60"))
+
+
+@contextlib.contextmanager
+def _reporting_waits(works: Dict[int, object], what: str):
+    """While the block runs, log every AWAIT_LOG_SECONDS which ranks' ``works`` are not
+    complete yet (a timer thread; it only reads the works' state)."""
+    start = time.monotonic()
+    state = {"timer": None, "done": False}
+    lock = threading.Lock()
+
+    def report():
+        with lock:
+            if state["done"]:
+                return
+            waiting = [r for r, w in works.items() if not w.is_completed()]
+            if waiting:
+                logger.warning(
+                    "oss_adam: %s: still waiting for rank(s) %s of the data-parallel group after "
+                    "%.0f s (stopped, stuck or very slow?)", what, waiting, time.monotonic() - start,
+                )
+            arm()
+
+    def arm():
+        state["timer"] = threading.Timer(AWAIT_LOG_SECONDS, report)
+        state["timer"].daemon = True
+        state["timer"].start()
+
+    arm()
+    try:
+        yield
+    finally:
+        with lock:
+            state["done"] = True
+            state["timer"].cancel()
 
 
 def scatter_shards(

@@ -2,7 +2,8 @@
 
 Driven by environment variables, so the same plugin serves every test:
 - FAULT_CRASH_RANK=R, FAULT_CRASH_CALL=K: criterion ``faulty_cross_entropy`` raises on
-  rank R at its K-th forward (fairseq then takes its crash.pt path on that rank only);
+  rank R at its K-th forward (fairseq then takes its crash.pt path on that rank only),
+  after creating the file ``fault-injected-on-rank-R`` in FAULT_MARKER_DIR if that is set;
 - FAULT_KILL_SAVE=N: the process writing the N-th checkpoint kills itself (SIGKILL) in the
   middle of streaming the optimizer state.
 """
@@ -26,6 +27,11 @@ class FaultyCrossEntropy(CrossEntropyCriterion):
         if rank == int(os.environ.get("FAULT_CRASH_RANK", -1)) and FaultyCrossEntropy.calls == int(
             os.environ.get("FAULT_CRASH_CALL", -1)
         ):
+            # A file says it happened: which rank's error the launcher prints first is a
+            # race (the other rank's broken connection may win it).
+            marker = os.environ.get("FAULT_MARKER_DIR")
+            if marker:
+                open(os.path.join(marker, f"fault-injected-on-rank-{rank}"), "w").close()
             # not a RuntimeError: fairseq re-raises those before its crash path
             raise ValueError(f"injected fault on rank {rank}")
         return super().forward(model, sample, reduce)
