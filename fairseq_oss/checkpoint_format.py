@@ -38,6 +38,7 @@ CHUNK_BYTES = 1 << 20
 MANIFEST = "fairseq_oss.json"
 FORMAT = "fairseq-oss/1"
 _PREFIX = "archive/"
+_WRITER = f"fairseq-oss {__import__('fairseq_oss').__version__}"
 _ALIGN = 64
 
 
@@ -83,19 +84,22 @@ class StreamedTensor:
     whose bytes are already in the file: it pickles exactly as a tensor that views
     ``ref`` at element ``offset`` does, so ``torch.load`` returns a plain tensor."""
 
-    __slots__ = ("ref", "offset", "shape")
+    __slots__ = ("ref", "offset", "shape", "stride")
 
-    def __init__(self, ref: StorageRef, offset: int, shape):
+    def __init__(self, ref: StorageRef, offset: int, shape, stride=None):
         self.ref, self.offset, self.shape = ref, offset, tuple(shape)
+        if stride is None:  # contiguous
+            contiguous, acc = [], 1
+            for n in reversed(self.shape):
+                contiguous.append(acc)
+                acc *= n
+            stride = reversed(contiguous)
+        self.stride = tuple(stride)
 
     def __reduce_ex__(self, protocol):
-        stride, acc = [], 1
-        for n in reversed(self.shape):
-            stride.append(acc)
-            acc *= n
         return (
             torch._utils._rebuild_tensor_v2,
-            (self.ref, self.offset, self.shape, tuple(reversed(stride)), False, collections.OrderedDict()),
+            (self.ref, self.offset, self.shape, self.stride, False, collections.OrderedDict()),
         )
 
 
@@ -256,7 +260,8 @@ class CheckpointWriter:
             t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             self.write_record(f"data/{key}", t)
         self.write_record("version", b"3\n")
-        manifest = {"format": FORMAT, "chunk_bytes": CHUNK_BYTES, "records": self.records, **self.extra_manifest}
+        manifest = {"format": FORMAT, "chunk_bytes": CHUNK_BYTES, "records": self.records, "writer": _WRITER,
+                    **self.extra_manifest}
         self.write_record(MANIFEST, json.dumps(manifest, sort_keys=True).encode())
         self._zip.close()
         self._tmp.commit(path)
@@ -417,7 +422,8 @@ class CheckpointReader:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line.split(". This is an internal miniz error")[0]  # torch's advice follows it
 
 
 class MappedPages:

@@ -1,0 +1,63 @@
+"""``fairseq-oss reshard-plan FILE --world-size M [--bucket-mb B]``: what each of M ranks
+would hold and read when ``oss_adam`` resumes from FILE, from the index alone (nothing
+is loaded): the answer to "will it fit on M GPUs"."""
+from fairseq_oss.checkpoint_format import CheckpointError
+from fairseq_oss.checkpoint_index import CheckpointIndex
+from fairseq_oss.partition import ParamSpec, partition
+from fairseq_oss.sharded_adam import DEFAULT_BUCKET_BYTES
+from fairseq_oss.tools.report import human_bytes, print_table
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def plan(index: CheckpointIndex, world_size: int, bucket_bytes: int) -> dict:
+    obj = index.obj if isinstance(index.obj, dict) else {}
+    state = obj.get("last_optimizer_state")
+    if not isinstance(state, dict) or "param_groups" not in state:
+        raise CheckpointError(f"{index.path}: holds no optimizer state (stripped, or saved without it): "
+                              "resuming it builds a fresh one")
+    entries = state.get("state") or {}
+    specs, unknown, itemsize = [], 0, 4
+    for g, group in enumerate(state["param_groups"]):
+        for pid in group.get("params", []):
+            entry = entries.get(pid)
+            if not isinstance(entry, dict) or "exp_avg" not in entry:
+                unknown += 1  # never stepped: its size is not in the checkpoint
+                continue
+            t = entry["exp_avg"]
+            itemsize = t.element_size()
+            specs.append(ParamSpec(g, t.numel(), str(t.dtype)))
+    layout = partition(specs, world_size, max(1, bucket_bytes // itemsize))
+    model_bytes = sum(t.numel() * t.element_size() for _, t in index.tensors(obj.get("model") or {}))
+    ranks = []
+    for r in range(world_size):
+        state_bytes = layout.shard_numel(r) * itemsize * len(STATE_KEYS)
+        ranks.append({"rank": r, "adam_state_bytes": state_bytes, "reads_at_resume_bytes": state_bytes,
+                      "model_bytes": model_bytes, "total_bytes": state_bytes + model_bytes})
+    shares = [x["adam_state_bytes"] for x in ranks]
+    mean = sum(shares) / len(shares)
+    return {"file": index.path, "world_size": world_size, "bucket_bytes": bucket_bytes,
+            "buckets": len(layout.buckets), "parameters_with_state": len(specs),
+            "parameters_without_state": unknown, "ranks": ranks,
+            "balance": (max(shares) / mean) if mean else 1.0,
+            "full_adam_state_bytes": sum(shares)}
+
+
+def run(args) -> int:
+    if args.world_size < 1:
+        raise CheckpointError(f"--world-size must be at least 1, got {args.world_size}")
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    if bucket_bytes < 1:
+        raise CheckpointError(f"--bucket-mb must be at least one byte, got {args.bucket_mb}")
+    p = plan(CheckpointIndex(args.file), args.world_size, bucket_bytes)
+    print(f"{p['file']}: resumed by oss_adam on {p['world_size']} rank(s), {p['buckets']} bucket(s) of "
+          f"{human_bytes(p['bucket_bytes'])}")
+    print(f"  full Adam state {human_bytes(p['full_adam_state_bytes'])}; every rank also holds the model")
+    print_table([(x["rank"], human_bytes(x["adam_state_bytes"]), human_bytes(x["reads_at_resume_bytes"]),
+                  human_bytes(x["model_bytes"]), human_bytes(x["total_bytes"])) for x in p["ranks"]],
+                header=("rank", "Adam state", "reads at resume", "model weights", "total"), indent=2)
+    print(f"  balance (largest / mean Adam state): {p['balance']:.4f}")
+    if p["parameters_without_state"]:
+        print(f"  {p['parameters_without_state']} parameter(s) have no state yet (never stepped): "
+              "not counted; they add their size x 2 / {world} per rank once stepped".replace("{world}", str(args.world_size)))
+    return 0

@@ -1,0 +1,106 @@
+"""``fairseq-oss strip FILE -o OUT [--dtype fp16|bf16] [--in-place]``: the checkpoint
+without its optimizer state (and, with ``--dtype``, its floating-point tensors cast),
+streamed record by record into this package's format (per-chunk checksums, a locked
+temporary, fsync, rename): memory is one chunk; nothing is left under OUT if it fails.
+
+Every tensor keeps its storage, offset and strides (tensors that share a storage, such
+as tied embeddings, still share it); storages that only the optimizer state used are
+not copied. The result is a plain fairseq checkpoint without ``last_optimizer_state``:
+fairseq-generate, fairseq-eval-lm, ``from_pretrained`` and ``--finetune-from-model`` load it."""
+import collections
+import os
+
+import torch
+
+from fairseq_oss.checkpoint_format import (
+    CHUNK_BYTES,
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    StorageRef,
+    StreamedTensor,
+)
+from fairseq_oss.checkpoint_index import CheckpointIndex
+from fairseq_oss.tools.report import Progress, human_bytes
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DROPPED = ("last_optimizer_state",)
+
+
+def strip(src: str, out: str, dtype=None) -> int:
+    """Write ``src`` without optimizer state to ``out`` (which may be ``src``: replaced
+    atomically). Returns the bytes written."""
+    index = CheckpointIndex(src)
+    reader = CheckpointReader(src)
+    if not isinstance(index.obj, dict):
+        raise CheckpointError(f"{src}: not a fairseq checkpoint (its top level is not a dict)")
+    kept = {k: v for k, v in index.obj.items() if k not in DROPPED}
+    needed = {index.place(t).record.name: index.place(t).record for _, t in index.tensors(kept)}
+    progress = Progress(f"strip {src}", sum(r.nbytes for r in needed.values()))
+    writer = CheckpointWriter(os.path.dirname(os.path.abspath(out)))
+    try:
+        refs = {}
+
+        def replace(obj):
+            if isinstance(obj, torch.Tensor):
+                place = index.place(obj)
+                ref = refs.get(place.record.name)
+                if ref is None:
+                    ref = refs[place.record.name] = _copy_record(reader, writer, place.record, dtype, progress)
+                return StreamedTensor(ref, place.storage_offset, obj.shape, obj.stride())
+            if isinstance(obj, dict):
+                items = [(k, replace(v)) for k, v in obj.items()]
+                return collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
+            if isinstance(obj, list):
+                return [replace(v) for v in obj]
+            if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+                return tuple(replace(v) for v in obj)
+            return obj
+
+        writer.finish(replace(kept), out)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        progress.close()
+    return os.path.getsize(out)
+
+
+def _copy_record(reader, writer, record, dtype, progress) -> StorageRef:
+    """Stream one storage into a new record, chunk by chunk (CRC-checked where the source
+    has a manifest), cast to ``dtype`` if it is floating point."""
+    src_dtype = record.dtype
+    out_dtype = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
+    itemsize = torch._utils._element_size(src_dtype)
+    numel = record.nbytes // itemsize
+    ref = StorageRef(writer.new_key(), out_dtype, numel)
+    step = max(1, CHUNK_BYTES // itemsize)
+    buf = torch.empty(min(step, max(numel, 1)), dtype=src_dtype)
+    with writer.stream(f"data/{ref.key}") as w:
+        for start in range(0, numel, step):
+            n = min(step, numel - start)
+            part = buf[:n]
+            reader.read_into(record.name, start * itemsize, (start + n) * itemsize, part, verify=True)
+            w.write(part if out_dtype == src_dtype else part.to(out_dtype))
+            progress.update(n * itemsize)
+    return ref
+
+
+def run(args) -> int:
+    src = args.file
+    if args.in_place and args.output:
+        raise CheckpointError("give either -o OUT or --in-place, not both")
+    if not args.in_place and not args.output:
+        raise CheckpointError("give -o OUT (a new file), or --in-place to replace FILE")
+    out = src if args.in_place else args.output
+    if not args.in_place:
+        if os.path.isdir(out):
+            raise CheckpointError(f"{out}: is a directory; give the new file's path")
+        if os.path.lexists(out):
+            raise CheckpointError(f"{out}: exists; strip never overwrites a file (use another name, or --in-place)")
+    before = os.path.getsize(src) if os.path.isfile(src) else 0
+    after = strip(src, out, DTYPES[args.dtype] if args.dtype else None)
+    saved = before - after
+    print(f"{out}: {human_bytes(after)} (from {human_bytes(before)}: {human_bytes(saved)} saved, "
+          f"{100 * saved / before if before else 0:.0f}%)")
+    return 0
