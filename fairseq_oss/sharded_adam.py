@@ -2,7 +2,9 @@
 
 Owns the optimizer step and the mapping between the sharded state and the plain
 ``torch.optim`` state-dict format. The layout comes from :mod:`fairseq_oss.partition`;
-the collectives live in :mod:`fairseq_oss.collectives`. It does not touch fairseq.
+the collectives live in :mod:`fairseq_oss.collectives`; moving the state into a
+checkpoint and back is :mod:`fairseq_oss.consolidation` and
+:mod:`fairseq_oss.state_loading`. It does not touch fairseq.
 
 Numerics: each rank applies exactly the arithmetic of ``fairseq.optim.adam.Adam`` (the
 optimizer ``--optimizer adam`` uses on CPU) to its shard, element by element, in the same
@@ -20,22 +22,14 @@ The step updates each rank's shard in place, in the parameters' own memory, and 
 to the other ranks straight from there (point to point on gloo) or through one gather
 buffer per bucket (NCCL's all-gather): on gloo, no copy of a parameter or gradient at all.
 """
-import contextlib
 import math
 import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq_oss import collectives
-from fairseq_oss.checkpoint_format import (
-    CheckpointError,
-    CheckpointReader,
-    OptimizerStateFile,
-    StorageRef,
-    StreamedTensor,
-    load_mmap,
-)
+from fairseq_oss import collectives, consolidation, state_loading
+from fairseq_oss.checkpoint_format import OptimizerStateFile
 from fairseq_oss.partition import Bucket, ParamSpec, Partition, Piece, partition
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -178,6 +172,21 @@ class ShardedAdam(torch.optim.Optimizer):
             self._gather_buffers[bucket.kind] = buffers
         return buffers[slot % len(buffers)][: bucket.shard_numel * self.world_size]
 
+    @property
+    def params(self) -> List[torch.Tensor]:
+        """The parameters, in optimizer order (the order of the state dict's indices)."""
+        return self._params
+
+    @property
+    def steps(self) -> List[int]:
+        """Each parameter's step count (0: no state yet)."""
+        return self._steps
+
+    def set_steps(self, steps: List[int]) -> None:
+        self._steps = list(steps)
+
+    state_dtype = staticmethod(_state_dtype)
+
     def state_bytes(self) -> int:
         """Bytes of Adam state (exp_avg and exp_avg_sq) held by this rank."""
         return sum(t.numel() * t.element_size() for t in self._exp_avg + self._exp_avg_sq)
@@ -301,91 +310,24 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         is_recipient = self.rank == recipient_rank
         if stream:
-            streamed = self._stream_state(recipient_rank, writer if is_recipient else None)
+            streamed = consolidation.stream_to_writer(self, recipient_rank, writer if is_recipient else None)
             self._consolidated = streamed if is_recipient else UNAVAILABLE
-            return
-        if self.world_size == 1:
-            return
-        full: Dict[int, Dict[str, torch.Tensor]] = {}
-        if is_recipient:
-            for i, p in enumerate(self._params):
-                if self._steps[i] > 0:
-                    dtype = _state_dtype(p.dtype)
-                    full[i] = {
-                        "exp_avg": torch.empty(p.shape, dtype=dtype, device=p.device),
-                        "exp_avg_sq": torch.empty(p.shape, dtype=dtype, device=p.device),
-                    }
-        out = self._bucket_buffers() if is_recipient else {}
-        for b in self.partition.buckets:
-            for key, local in self._state_keys():
-                gathered = collectives.gather_shards(
-                    local[b.index], self._ranges(b), recipient_rank, self.process_group, out.get(b.kind)
-                )
-                if is_recipient:
-                    for pc in b.pieces:
-                        if pc.param in full:
-                            full[pc.param][key].view(-1)[
-                                pc.param_offset : pc.param_offset + pc.numel
-                            ].copy_(gathered[pc.offset : pc.offset + pc.numel])
-        if is_recipient:
-            self._consolidated = full
+        elif self.world_size > 1:
+            self._consolidated = consolidation.gather_in_memory(self, recipient_rank)
 
-    def _state_keys(self):
+    def state_shards(self):
         return (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq))
 
-    def _ranges(self, bucket: Bucket):
+    def shard_ranges(self, bucket: Bucket):
         return [bucket.shard_range(r) for r in range(self.world_size)]
 
-    def _bucket_buffers(self) -> Dict[str, torch.Tensor]:
+    def state_bucket_buffers(self) -> Dict[str, torch.Tensor]:
         """One bucket of state per kind, reused by every gather or scatter of a pass."""
         sizes, first = {}, {}
         for b in self.partition.buckets:
             sizes[b.kind] = max(sizes.get(b.kind, 0), b.numel)
             first.setdefault(b.kind, b.index)
         return {kind: self._exp_avg[first[kind]].new_empty(n) for kind, n in sizes.items()}
-
-    def _stream_state(self, recipient_rank: int, writer) -> Optional[Dict]:
-        """Gather segment by segment, key by key, bucket by bucket; the recipient writes."""
-        placeholders: Dict[int, Dict] = {}
-        views: Dict[str, Dict[str, list]] = {}
-        error = None
-        out_buffers = self._bucket_buffers() if self.rank == recipient_rank else {}
-        for seg in self.partition.segments():
-            p0 = self._params[seg.param_offsets[0][0]] if seg.param_offsets else None
-            dtype = _state_dtype(p0.dtype) if p0 is not None else torch.float32
-            for key, local in self._state_keys():
-                ref = None
-                with contextlib.ExitStack() as record:
-                    out = None
-                    if writer is not None and error is None:
-                        try:
-                            ref = StorageRef(writer.new_key(), dtype, seg.numel)
-                            out = record.enter_context(writer.stream(f"data/{ref.key}"))
-                        except Exception as e:  # noqa: BLE001 - raised after the gathers
-                            error = e
-                    for bi in seg.buckets:
-                        b = self.partition.buckets[bi]
-                        gathered = collectives.gather_shards(
-                            local[b.index], self._ranges(b), recipient_rank, self.process_group,
-                            out_buffers.get(b.kind)
-                        )
-                        if out is not None and error is None:
-                            try:
-                                out.write(gathered[: b.numel])
-                            except Exception as e:  # noqa: BLE001
-                                error = e
-                if ref is not None and error is None:
-                    for param, offset in seg.param_offsets:
-                        views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]
-                        if self._steps[param] > 0:
-                            shape = self._params[param].shape
-                            placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, shape)
-        if error is not None:
-            raise error
-        if writer is None:
-            return None
-        writer.extra_manifest["optimizer_views"] = views
-        return placeholders
 
     def state_dict(self):
         """The state in the format of ``fairseq.optim.adam.Adam.state_dict()``: one entry
@@ -432,7 +374,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if self._steps[i] == 0:
                 continue
             entry = {}
-            for key, local in self._state_keys():
+            for key, local in self.state_shards():
                 parts = [
                     local[bi][pc.offset : pc.offset + pc.numel]
                     for bi, pc in self._param_shards.get(i, [])
@@ -442,7 +384,7 @@ class ShardedAdam(torch.optim.Optimizer):
             full[i] = entry
         return full
 
-    def _validate(self, state_dict, source: str = "loaded state") -> Tuple[List[int], List]:
+    def validate_state(self, state_dict, source: str = "loaded state") -> Tuple[List[int], List]:
         """Check ``state_dict`` against this optimizer's parameters; return the step of
         each parameter (0 where it has no state) and each parameter's key in the state.
 
@@ -505,18 +447,18 @@ class ShardedAdam(torch.optim.Optimizer):
             return self.load_from_checkpoint(
                 state_dict.path, verify=state_dict.verify, shared_fs=state_dict.shared_fs
             )
-        steps, saved_ids = self._validate(state_dict)
+        steps, saved_ids = self.validate_state(state_dict)
         entries = [state_dict["state"].get(sid) for sid in saved_ids]
-        self._copy_slices(lambda i, k, start, end, dst: dst.copy_(entries[i][k].reshape(-1)[start:end]), steps)
-        self._apply_groups(state_dict["param_groups"])
+        self.fill_shards(lambda i, k, start, end, dst: dst.copy_(entries[i][k].reshape(-1)[start:end]), steps)
+        self.apply_groups(state_dict["param_groups"])
 
-    def _copy_slices(self, fill, steps: List[int]) -> None:
+    def fill_shards(self, fill, steps: List[int]) -> None:
         """Fill this rank's shards: ``fill(param, key, start, end, dst)`` writes elements
         ``[start, end)`` of the parameter's flattened state into ``dst``; zeros where it
         has no state."""
         for i in range(len(self._params)):
             for bi, pc in self._param_shards.get(i, []):
-                for key, local in self._state_keys():
+                for key, local in self.state_shards():
                     dst = local[bi][pc.offset : pc.offset + pc.numel]
                     if steps[i] == 0:
                         dst.zero_()
@@ -524,7 +466,7 @@ class ShardedAdam(torch.optim.Optimizer):
                         fill(i, key, pc.param_offset, pc.param_offset + pc.numel, dst)
         self._steps = steps
 
-    def _apply_groups(self, saved_groups) -> None:
+    def apply_groups(self, saved_groups) -> None:
         for sg, g in zip(saved_groups, self.param_groups):
             for k, v in sg.items():
                 if k != "params":
@@ -532,100 +474,16 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def load_from_checkpoint(self, path: str, key: str = "last_optimizer_state", verify: bool = True,
                              shared_fs: bool = True) -> None:
-        """Load the state stored under ``key`` of the checkpoint at ``path``, reading only
-        this rank's slices, straight into its shards: a rank's memory rises by its own
-        shard, never the full state, and no state is broadcast. A fairseq-oss file is read
-        by offset (its manifest says where each parameter's state lies) and, with
-        ``verify``, the CRC of every chunk read is checked; another ``torch.save`` file is
-        mapped (``torch.load(mmap=True)``) and sliced. With ``shared_fs=False`` (ranks do
-        not see the same files) rank 0 reads and sends each rank its slices, one bucket at
-        a time.
+        """Load the state stored under ``key`` of the checkpoint at ``path``, each rank
+        reading only its own slices (see :func:`fairseq_oss.state_loading.load_from_checkpoint`).
 
         Raises:
             CheckpointError: on every rank, if any rank found the file unreadable,
-                corrupted, or not matching this optimizer; the state is then unusable and
-                the caller must not train on (fairseq stops).
+                corrupted, or not matching this optimizer.
 
         .. warning:: Collective: call on all ranks.
         """
-        error, fill, steps, groups = None, None, None, None
-        reads = shared_fs or self.rank == 0
-        if reads:
-            try:
-                fill, steps, groups = self._open_state(path, key, verify)
-            except CheckpointError as e:
-                error = str(e)
-        self._agree(error)
-        if shared_fs:
-            try:
-                self._copy_slices(fill, steps)
-            except CheckpointError as e:
-                error = str(e)
-            self._agree(error)
-        else:
-            self._scatter_from_rank0(fill, steps)
-            groups = collectives.broadcast_object(groups, self.process_group, self.world_size)
-        self._apply_groups(groups)
-
-    def _open_state(self, path: str, key: str, verify: bool):
-        """Validate the checkpoint's state against this optimizer; return a function that
-        fills ``dst`` with elements ``[start, end)`` of parameter ``i``'s state ``k``, the
-        steps and the saved param groups."""
-        reader = CheckpointReader(path)
-        ckpt = load_mmap(path)
-        state = ckpt.get(key) if isinstance(ckpt, dict) else None
-        if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
-            raise CheckpointError(f"{path}: no optimizer state under '{key}'")
-        try:
-            steps, saved_ids = self._validate(state, source="the checkpoint")
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-        entries = [state["state"].get(sid) for sid in saved_ids]
-        views = (reader.manifest or {}).get("optimizer_views")
-
-        def fill(i, k, start, end, dst):
-            t = entries[i][k]
-            if views is not None and t.dtype == dst.dtype:
-                record, offset = views[str(i)][k]
-                size = t.element_size()
-                staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
-                reader.read_into(record, (offset + start) * size, (offset + end) * size, staging, verify)
-                if staging is not dst:
-                    dst.copy_(staging)
-            else:
-                dst.copy_(t.reshape(-1)[start:end])
-
-        return fill, steps, state["param_groups"]
-
-    def _agree(self, error: Optional[str]) -> None:
-        """Raise on every rank if any rank has an error (collective)."""
-        errors = collectives.all_gather_objects(error, self.process_group, self.world_size)
-        first = next((e for e in errors if e), None)
-        if first is not None:
-            raise CheckpointError(first)
-
-    def _scatter_from_rank0(self, fill, steps) -> None:
-        """Rank 0 reads each bucket of each key from the file and scatters the shards; the
-        others receive theirs. One bucket in memory on rank 0."""
-        steps = collectives.broadcast_object(steps, self.process_group, self.world_size)
-        error = None
-        buffers = self._bucket_buffers() if self.rank == 0 else {}
-        for b in self.partition.buckets:
-            for key, local in self._state_keys():
-                full = None
-                if self.rank == 0:
-                    full = buffers[b.kind][: b.numel].zero_()
-                    for pc in b.pieces:
-                        if steps[pc.param] == 0 or error is not None:
-                            continue
-                        try:
-                            fill(pc.param, key, pc.param_offset, pc.param_offset + pc.numel,
-                                 full[pc.offset : pc.offset + pc.numel])
-                        except CheckpointError as e:
-                            error = str(e)
-                collectives.scatter_shards(full, self._ranges(b), local[b.index], self.process_group)
-        self._agree(error)
-        self._steps = steps
+        state_loading.load_from_checkpoint(self, path, key, verify, shared_fs)
 
 
 def _adam_update(p, grad, exp_avg, exp_avg_sq, step: int, group) -> None:

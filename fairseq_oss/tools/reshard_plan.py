@@ -4,7 +4,6 @@ is loaded): the answer to "will it fit on M GPUs"."""
 from fairseq_oss.checkpoint_format import CheckpointError
 from fairseq_oss.checkpoint_index import CheckpointIndex
 from fairseq_oss.partition import ParamSpec, partition
-from fairseq_oss.sharded_adam import DEFAULT_BUCKET_BYTES
 from fairseq_oss.tools.report import human_bytes, print_table
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")

@@ -1,0 +1,98 @@
+"""Moving the sharded Adam state to one rank, for a checkpoint: the consolidation.
+
+Owns the gathers of :meth:`ShardedAdam.consolidate_state_dict`: into memory (the plain
+``torch.optim`` state dict on one rank), or streamed into a
+:class:`~fairseq_oss.checkpoint_format.CheckpointWriter` on that rank, one bucket at a
+time, so that its memory rises by one bucket whatever the model and world size. It reads
+the optimizer's shards and layout and changes nothing in it. Tensors only, never pickles.
+"""
+import contextlib
+from typing import Dict, Optional
+
+import torch
+
+from fairseq_oss import collectives
+from fairseq_oss.checkpoint_format import StorageRef, StreamedTensor
+
+
+def gather_in_memory(opt, recipient_rank: int) -> Optional[Dict[int, Dict[str, torch.Tensor]]]:
+    """The full state of every stepped parameter, shaped like it, on ``recipient_rank``
+    (None elsewhere): one bucket at a time, point to point into one reused buffer.
+
+    .. warning:: Collective: call on all ranks of ``opt.process_group``.
+    """
+    is_recipient = opt.rank == recipient_rank
+    full: Dict[int, Dict[str, torch.Tensor]] = {}
+    if is_recipient:
+        for i, p in enumerate(opt.params):
+            if opt.steps[i] > 0:
+                dtype = opt.state_dtype(p.dtype)
+                full[i] = {
+                    "exp_avg": torch.empty(p.shape, dtype=dtype, device=p.device),
+                    "exp_avg_sq": torch.empty(p.shape, dtype=dtype, device=p.device),
+                }
+    out = opt.state_bucket_buffers() if is_recipient else {}
+    for b in opt.partition.buckets:
+        for key, local in opt.state_shards():
+            gathered = collectives.gather_shards(
+                local[b.index], opt.shard_ranges(b), recipient_rank, opt.process_group, out.get(b.kind)
+            )
+            if is_recipient:
+                for pc in b.pieces:
+                    if pc.param in full:
+                        full[pc.param][key].view(-1)[
+                            pc.param_offset : pc.param_offset + pc.numel
+                        ].copy_(gathered[pc.offset : pc.offset + pc.numel])
+    return full if is_recipient else None
+
+
+def stream_to_writer(opt, recipient_rank: int, writer) -> Optional[Dict]:
+    """Gather segment by segment, key by key, bucket by bucket; the recipient writes each
+    bucket to ``writer`` as it arrives (one record per segment and state key) and gets
+    back the :class:`StreamedTensor` placeholders of the stepped parameters; the other
+    ranks only send, and get None. A write error on the recipient is raised after the
+    last gather, so that no rank is left waiting in one; an error in a gather (a rank
+    gone) propagates at once, leaving the record open for ``writer.abort()``.
+
+    .. warning:: Collective: call on all ranks of ``opt.process_group``.
+    """
+    placeholders: Dict[int, Dict] = {}
+    views: Dict[str, Dict[str, list]] = {}
+    error = None
+    out_buffers = opt.state_bucket_buffers() if opt.rank == recipient_rank else {}
+    for seg in opt.partition.segments():
+        p0 = opt.params[seg.param_offsets[0][0]] if seg.param_offsets else None
+        dtype = opt.state_dtype(p0.dtype) if p0 is not None else torch.float32
+        for key, local in opt.state_shards():
+            ref = None
+            with contextlib.ExitStack() as record:
+                out = None
+                if writer is not None and error is None:
+                    try:
+                        ref = StorageRef(writer.new_key(), dtype, seg.numel)
+                        out = record.enter_context(writer.stream(f"data/{ref.key}"))
+                    except Exception as e:  # noqa: BLE001 - raised after the gathers
+                        error = e
+                for bi in seg.buckets:
+                    b = opt.partition.buckets[bi]
+                    gathered = collectives.gather_shards(
+                        local[b.index], opt.shard_ranges(b), recipient_rank, opt.process_group,
+                        out_buffers.get(b.kind)
+                    )
+                    if out is not None and error is None:
+                        try:
+                            out.write(gathered[: b.numel])
+                        except Exception as e:  # noqa: BLE001
+                            error = e
+            if ref is not None and error is None:
+                for param, offset in seg.param_offsets:
+                    views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]
+                    if opt.steps[param] > 0:
+                        shape = opt.params[param].shape
+                        placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, shape)
+    if error is not None:
+        raise error
+    if writer is None:
+        return None
+    writer.extra_manifest["optimizer_views"] = views
+    return placeholders
