@@ -175,10 +175,15 @@ class _ChunkedCrc:
         return self.crcs
 
     def whole(self) -> int:
-        crc = 0
-        for i, c in enumerate(self.crcs):
-            crc = crc32_combine(crc, c, min(CHUNK_BYTES, self.nbytes - i * CHUNK_BYTES))
-        return crc
+        return combine_chunk_crcs(self.crcs, self.nbytes)
+
+
+def combine_chunk_crcs(crcs: List[int], nbytes: int) -> int:
+    """The CRC32 of ``nbytes`` bytes from the CRCs of their CHUNK_BYTES chunks."""
+    crc = 0
+    for i, c in enumerate(crcs):
+        crc = crc32_combine(crc, c, min(CHUNK_BYTES, nbytes - i * CHUNK_BYTES))
+    return crc
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -200,6 +205,8 @@ class CheckpointWriter:
         self._file = self._tmp.file
         self._zip = zipfile.ZipFile(self._file, "w", zipfile.ZIP_STORED, allowZip64=True)
         self._open_streams = []
+        self._reserved: Dict[str, zipfile.ZipInfo] = {}
+        self.reserved_records = 0  # records other writers filled in (parallel saves)
         self._next_key = 0
         self.records: Dict[str, Dict] = {}
         self.extra_manifest: Dict = {}
@@ -222,6 +229,32 @@ class CheckpointWriter:
         """A writable record: ``with writer.stream('data/0') as w: w.write(tensor)``."""
         return _RecordStream(self, name)
 
+    def reserve(self, name: str, nbytes: int) -> int:
+        """Lay out record ``name`` of ``nbytes`` whose bytes other writers put in place
+        (``os.pwrite`` at the offset returned, through their own file descriptors): here
+        the file only gets the record's header and a hole. The header is rewritten, and
+        the record enters the manifest, once :meth:`fill_reserved` has its chunk CRCs;
+        the result is byte for byte what :meth:`stream` would have written."""
+        out = self._zip.open(self._zipinfo(name), "w", force_zip64=True)
+        offset = out._fileobj.tell()
+        out._file_size = out._compress_size = nbytes
+        out._fileobj.seek(nbytes, os.SEEK_CUR)
+        out.close()  # a header with CRC 0 for now; the record is in the zip's directory
+        self._reserved[name] = self._zip.NameToInfo[_PREFIX + name]
+        self.reserved_records += 1
+        return offset
+
+    def fill_reserved(self, name: str, chunk_crcs: List[int]) -> None:
+        """Record ``name``'s bytes are in place: enter its chunk CRCs in the manifest and
+        its whole CRC in its header (and in the zip's directory, written at the end)."""
+        info = self._reserved.pop(name)
+        info.CRC = combine_chunk_crcs(chunk_crcs, info.file_size)
+        end = self._file.tell()
+        self._file.seek(info.header_offset)
+        self._file.write(info.FileHeader(True))
+        self._file.seek(end)
+        self.records[name] = {"nbytes": info.file_size, "crc32": list(chunk_crcs)}
+
     def write_record(self, name: str, data) -> None:
         with self.stream(name) as w:
             w.write(data)
@@ -229,6 +262,8 @@ class CheckpointWriter:
     def finish(self, obj, path: str) -> None:
         """Pickle ``obj`` (tensors become records, :class:`StreamedTensor` refer to
         streamed ones), write the manifest, and commit the file durably at ``path``."""
+        if self._reserved:
+            raise CheckpointError(f"records {sorted(self._reserved)} were reserved but never filled")
         storages: Dict[str, torch.UntypedStorage] = {}
         ids: Dict[int, str] = {}
 

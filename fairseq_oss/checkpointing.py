@@ -9,8 +9,10 @@ this module applies them.
 Save, in fairseq's order:
 
 1. ``Trainer.consolidate_optimizer()`` (all ranks): rank 0 opens a
-   :class:`~fairseq_oss.checkpoint_format.CheckpointWriter` in the save directory and the
-   ranks stream the Adam state into it, one bucket at a time.
+   :class:`~fairseq_oss.checkpoint_format.CheckpointWriter` in the save directory; if
+   every rank sees its file, each rank writes its own shard of the Adam state into it
+   (:mod:`fairseq_oss.parallel_write`), else (or with ``--oss-no-shared-fs``) the ranks
+   stream the state to rank 0, one bucket at a time. Same bytes either way.
 2. ``Trainer.state_dict()`` (rank 0): the optimizer's entry holds placeholders.
 3. ``checkpoint_utils.torch_persistent_save`` (rank 0): the writer pickles the rest,
    writes the manifest and renames the file into place (fsync'd).
@@ -46,6 +48,7 @@ Load:
 """
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -56,11 +59,13 @@ import time
 
 import torch
 from fairseq import checkpoint_utils
+from fairseq.distributed import utils as distributed_utils
 from fairseq import trainer as trainer_module
 from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
 
-from fairseq_oss import collectives, safe_load
+from fairseq_oss import compat  # noqa: F401 - its launch fixes first: call_main is wrapped over them
+from fairseq_oss import async_save, collectives, safe_load
 from fairseq_oss.checkpoint_format import (
     CheckpointError,
     CheckpointReader,
@@ -128,11 +133,20 @@ def consolidate_optimizer(self):
     self._gathered_optim_state = None
     register_sharded_tensor_hooks(self.get_model())
     _abort_pending()
+    world_size = self.data_parallel_world_size
+    group = self.data_parallel_process_group if world_size > 1 else None
+    crashing = sys.exc_info()[0] is not None
+    if crashing:
+        async_save.wait_locally()  # no collective here: maybe only this rank is crashing
+    elif getattr(_STATE, "async_save", False):
+        async_save.wait_and_agree(group, world_size)  # one save in flight, failures on every rank
+        return _start_async_save(self, inner, group, world_size)
     writer = None
-    if self.data_parallel_rank == 0 and sys.exc_info()[0] is None:
+    if self.data_parallel_rank == 0 and not crashing:
         writer = CheckpointWriter(self.cfg.checkpoint.save_dir)
     try:
-        inner.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True)
+        inner.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True,
+                                     parallel=_options(self)["shared_fs"])
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -140,7 +154,25 @@ def consolidate_optimizer(self):
     _STATE.pending = writer
 
 
+def _start_async_save(trainer, inner, group, world_size):
+    """Snapshot this rank's shards (blocking) and start its background job; rank 0's job
+    gets the rest of the checkpoint from torch_persistent_save."""
+    background = async_save.background_group(group) if world_size > 1 else None
+    started = time.perf_counter()
+    snapshot = async_save.ShardSnapshot(inner, background)
+    writer = CheckpointWriter(trainer.cfg.checkpoint.save_dir) if trainer.data_parallel_rank == 0 else None
+    async_save.start(async_save.BackgroundSave(snapshot, writer, parallel=_options(trainer)["shared_fs"]))
+    if writer is not None:
+        inner.mark_state_pending()
+    logger.info("oss_adam: optimizer state snapshot taken in %.2f s (%.1f MiB on this rank); written in the "
+                "background", time.perf_counter() - started, snapshot.nbytes / 2**20)
+
+
 def torch_persistent_save(obj, filename, async_write: bool = False):
+    job = async_save.current()
+    if getattr(_STATE, "async_save", False) and job is not None and job.writer is not None and job.path is None:
+        job.hand_off(async_save.snapshot_tensors(obj), filename)  # copied now; written by the job
+        return
     writer = _take_pending()
     if isinstance(obj, dict) and obj.get("last_optimizer_state") is UNAVAILABLE:
         logger.warning(
@@ -183,6 +215,10 @@ class _CopyingPathManager:
     def copy(self, src_path, dst_path, overwrite=False, **kwargs):
         if self._pm.path_requires_pathmanager(src_path) or self._pm.path_requires_pathmanager(dst_path):
             return self._pm.copy(src_path, dst_path, overwrite, **kwargs)
+        job = async_save.current()
+        if job is not None and job.path == os.path.abspath(src_path):
+            job.add_copy(dst_path)  # made by the job once src is committed
+            return True
         clone_or_copy(src_path, dst_path)
         return True
 
@@ -193,12 +229,60 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     if not _uses_oss_adam(trainer):
         return _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
     start = time.perf_counter()
-    result = _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+    background = bool(cfg.write_checkpoints_asynchronously or _ASYNC["requested"])
+    background = background and not trainer.cfg.checkpoint.no_save_optimizer_state
+    # Asynchronously, the job writes the file and then its copies: fairseq must ask for the
+    # copies (its own asynchronous mode skips them) and hand the checkpoint over as for a
+    # synchronous save.
+    requested, cfg.write_checkpoints_asynchronously = cfg.write_checkpoints_asynchronously, False
+    _STATE.async_save = background
+    try:
+        result = _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+    finally:
+        cfg.write_checkpoints_asynchronously = requested
+        _STATE.async_save = False
+        job = async_save.current()
+        if job is not None:
+            job.close_copies()
     if trainer.should_save_checkpoint_on_current_rank and not cfg.no_save:
         logger.info(
-            "oss_adam: the checkpoint save took %.2f seconds in all (gathering and writing "
-            "the optimizer state, the rest of the file and its copies)", time.perf_counter() - start,
+            "oss_adam: the checkpoint save %s %.2f seconds%s", "blocked training for" if background else "took",
+            time.perf_counter() - start,
+            " (the file and its copies are written in the background)" if background else
+            " in all (gathering and writing the optimizer state, the rest of the file and its copies)",
         )
+    return result
+
+
+_ASYNC = {"requested": False}
+
+
+def call_main(cfg, main, **kwargs):
+    """fairseq's launcher (fairseq-train, fairseq-hydra-train), with oss_adam taking over
+    ``--write-checkpoints-asynchronously``: fairseq's own mode needs iopath (without it,
+    fairseq-train returns at once, having trained nothing), skips the copies and does not
+    wait for the last save. Each rank runs :func:`train_with_async_saves`."""
+    ckpt = cfg.checkpoint
+    if OmegaConf.select(cfg, "optimizer._name") == "oss_adam" and ckpt.write_checkpoints_asynchronously:
+        ckpt.write_checkpoints_asynchronously = False
+        main = functools.partial(train_with_async_saves, main)
+    return _ORIGINAL["call_main"](cfg, main, **kwargs)
+
+
+def train_with_async_saves(main, cfg, **kwargs):
+    """``main(cfg)`` with every save written in the background, then waits for the last
+    one: training ends only once it is complete, and fails if it failed."""
+    _ASYNC["requested"] = True
+    try:
+        result = main(cfg, **kwargs)
+    except BaseException:
+        async_save.wait_locally()
+        raise
+    finally:
+        _ASYNC["requested"] = False
+    error = async_save.wait_locally()
+    if error is not None:
+        raise CheckpointError(f"the last asynchronous checkpoint save failed: {type(error).__name__}: {error}")
     return result
 
 
@@ -398,6 +482,7 @@ _PATCHES = [
     (Trainer, "load_checkpoint", load_checkpoint),
     (checkpoint_utils, "torch_persistent_save", torch_persistent_save),
     (checkpoint_utils, "save_checkpoint", save_checkpoint),
+    (distributed_utils, "call_main", call_main),
     (checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu),
     (Trainer, "always_call_state_dict_during_save_checkpoint", property(always_call_state_dict_during_save_checkpoint)),
 ]

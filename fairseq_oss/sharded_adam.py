@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq_oss import collectives, consolidation, state_loading
+from fairseq_oss import collectives, consolidation, parallel_write, state_loading
+from fairseq_oss.async_save import PENDING_STATE
 from fairseq_oss.checkpoint_format import OptimizerStateFile
 from fairseq_oss.partition import Bucket, ParamSpec, Partition, Piece, partition
 
@@ -286,7 +287,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state dict
 
-    def consolidate_state_dict(self, recipient_rank: int = 0, writer=None, stream: bool = False) -> None:
+    def consolidate_state_dict(self, recipient_rank: int = 0, writer=None, stream: bool = False,
+                               parallel: bool = False) -> None:
         """Gather the full Adam state on ``recipient_rank`` (a rank of ``process_group``),
         one bucket at a time, as tensors (never pickles); other ranks only send.
 
@@ -297,6 +299,10 @@ class ShardedAdam(torch.optim.Optimizer):
         :meth:`state_dict` returns :class:`~fairseq_oss.checkpoint_format.StreamedTensor`
         placeholders for ``writer.finish``. A write error on the recipient is raised after
         the last gather, so that no rank is left waiting in one.
+
+        With ``parallel=True`` too (on all ranks; ``recipient_rank`` 0), every rank writes
+        its own shard into the writer's file itself, if every rank sees that file
+        (:mod:`fairseq_oss.parallel_write`; the same bytes), else the recipient gathers.
 
         Called while an exception is being handled (fairseq's ``crash.pt`` path, possibly
         on one rank only), it runs no collective and :meth:`state_dict` returns
@@ -310,7 +316,11 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         is_recipient = self.rank == recipient_rank
         if stream:
-            streamed = consolidation.stream_to_writer(self, recipient_rank, writer if is_recipient else None)
+            mine = writer if is_recipient else None
+            if parallel and recipient_rank == 0 and self.world_size > 1 and parallel_write.all_ranks_see(self, mine):
+                streamed = parallel_write.write_shards(self, mine)
+            else:
+                streamed = consolidation.stream_to_writer(self, recipient_rank, mine)
             self._consolidated = streamed if is_recipient else UNAVAILABLE
         elif self.world_size > 1:
             self._consolidated = consolidation.gather_in_memory(self, recipient_rank)
@@ -344,6 +354,8 @@ class ShardedAdam(torch.optim.Optimizer):
         consolidated, self._consolidated = self._consolidated, None
         if consolidated is UNAVAILABLE:
             return UNAVAILABLE
+        if consolidated is PENDING_STATE:  # written in the background (fairseq_oss.async_save)
+            return {"state": PENDING_STATE, "param_groups": self._packed_param_groups()}
         if consolidated is None and self.world_size == 1:
             consolidated = self._local_full_state()
         if consolidated is None:
@@ -357,6 +369,12 @@ class ShardedAdam(torch.optim.Optimizer):
             for i, t in sorted(consolidated.items())
         }
         return {"state": state, "param_groups": self._packed_param_groups()}
+
+    def mark_state_pending(self) -> None:
+        """The state is being written by an asynchronous save: the next :meth:`state_dict`
+        returns its param groups and :data:`~fairseq_oss.async_save.PENDING_STATE`, which
+        the save replaces with the written tensors."""
+        self._consolidated = PENDING_STATE
 
     def _packed_param_groups(self):
         groups, start = [], 0

@@ -67,17 +67,18 @@ def test_record_crc_is_combined_from_chunk_crcs(sizes):
 # ---------------------------------------------------------------- multi-rank jobs
 
 
-def save_job(rank, world_size, path, bucket_bytes, steps=10):
+def save_job(rank, world_size, path, bucket_bytes, steps=10, parallel=False):
     from fairseq_oss.checkpoint_format import CheckpointWriter
 
     model, opt, ref, ref_opt = build(bucket_bytes)
     run_steps(model, opt, 1, steps)
     run_steps(ref, ref_opt, 1, steps)
     writer = CheckpointWriter(os.path.dirname(path)) if rank == 0 else None
-    opt.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True)
+    opt.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True, parallel=parallel)
     if rank == 0:
         writer.finish({"model": model.state_dict(), "last_optimizer_state": opt.state_dict(),
                        "ref_optimizer": ref_opt.state_dict(), "ref_model": ref.state_dict()}, path)
+        return writer.reserved_records  # > 0: the ranks wrote their parts themselves
     return None
 
 
@@ -115,6 +116,83 @@ def test_same_bytes_whatever_world_size_saved(saved):
     byte-identical when saved at 1, 2 or 3 ranks."""
     blobs = {ws: open(p, "rb").read() for ws, p in saved.items()}
     assert blobs[1] == blobs[2] == blobs[3]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_writing_its_part_gives_the_same_bytes(saved, tmp_path, world_size):
+    """Each rank writes its own shard into the one file (shared file system): the file
+    is byte-identical to the streamed ones, whatever the world size."""
+    path = str(tmp_path / "parallel.pt")
+    reserved = run_ranks(world_size, save_job, path, SMALL_BUCKET, 10, True)[0]
+    assert reserved > 0
+    assert open(path, "rb").read() == open(saved[1], "rb").read()
+    assert os.listdir(tmp_path) == ["parallel.pt"]
+
+
+def _save_with_one_rank_blind(rank, world_size, path, bucket_bytes, blind_rank):
+    """save_job with parallel=True, where ``blind_rank`` cannot open rank 0's file (it
+    is on a node without the shared file system); returns rank 0's warnings."""
+    import logging
+
+    from fairseq_oss import parallel_write
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    parallel_write.logger.addHandler(handler)
+    real = parallel_write._read_token
+    if rank == blind_rank:
+        def blind(path):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        parallel_write._read_token = blind
+    try:
+        reserved = save_job(rank, world_size, path, bucket_bytes, 10, True)
+    finally:
+        parallel_write._read_token = real
+        parallel_write.logger.removeHandler(handler)
+    return reserved, records
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_cannot_see_the_file_makes_rank0_write_alone(saved, tmp_path, world_size):
+    path = str(tmp_path / "fallback.pt")
+    blind = world_size - 1
+    reserved, logs = run_ranks(world_size, _save_with_one_rank_blind, path, SMALL_BUCKET, blind)[0]
+    assert reserved == 0  # rank 0 gathered and wrote it all
+    assert open(path, "rb").read() == open(saved[1], "rb").read()
+    assert any(f"rank {blind} on" in m and "cannot open it" in m and "rank 0 gathers and writes" in m
+               for m in logs)
+
+
+def _save_with_a_failing_rank(rank, world_size, path, bucket_bytes, failing_rank):
+    from fairseq_oss import parallel_write
+    from fairseq_oss.checkpoint_format import CheckpointError, CheckpointWriter
+
+    model, opt, _, _ = build(bucket_bytes)
+    run_steps(model, opt, 1, 3)
+    real = parallel_write._write_own_pieces
+    if rank == failing_rank:
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+        parallel_write._write_own_pieces = full_disk
+    writer = CheckpointWriter(os.path.dirname(path)) if rank == 0 else None
+    try:
+        opt.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True, parallel=True)
+    except CheckpointError as e:
+        if writer is not None:
+            writer.abort()
+        return str(e)
+    finally:
+        parallel_write._write_own_pieces = real
+    return None
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank(tmp_path, world_size):
+    failing = world_size - 1
+    errors = run_ranks(world_size, _save_with_a_failing_rank, str(tmp_path / "x.pt"), SMALL_BUCKET, failing)
+    assert all(e is not None and f"rank {failing} on" in e and "No space left" in e for e in errors), errors
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("save_ws, load_ws, shared_fs", [(2, 3, True), (3, 2, True), (1, 2, True),

@@ -305,3 +305,52 @@ def test_a_checkpoint_that_would_run_code_is_refused(data, saved, tmp_path, opti
     assert f"{ckpt(d)}: refused: it holds posix.system" in out and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1" in out
     rc, out = attempt(train_cmd(data, d, optimizer, 1, FIRST + 1), env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
     assert os.path.exists(marker), out[-2000:]
+
+
+ASYNC = ["--write-checkpoints-asynchronously"]
+
+
+def test_asynchronous_save_resumes_as_a_synchronous_one(data, saved, tmp_path):
+    """--write-checkpoints-asynchronously: training is blocked only for the snapshot; the
+    last save, right before training ends, is complete; the checkpoint holds what the
+    synchronous save holds, and resuming from it continues bit for bit the same."""
+    d = str(tmp_path / "async")
+    log = train(data, d, "oss_adam", 2, FIRST, extra=ASYNC)
+    assert "blocked training for" in log and "asynchronous save of" in log
+    assert_same_training_state(ckpt(d), ckpt(saved["oss_adam"]))
+    sync = str(tmp_path / "sync")
+    shutil.copytree(saved["oss_adam"], sync)
+    for directory in (d, sync):
+        train(data, directory, "oss_adam", 2, RESUMED)
+    assert_same_training_state(ckpt(d), ckpt(sync))
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+
+
+def test_asynchronous_save_killed_mid_write_leaves_the_previous_one(data, tmp_path):
+    """Rank 0 is SIGKILLed while its background job writes the 2nd checkpoint: nothing
+    appears under that checkpoint's name, checkpoint_last.pt is the 1st (complete), and
+    training resumes from it."""
+    d = str(tmp_path / "run")
+    cmd = train_cmd(data, d, "oss_adam", 2, 6, "--user-dir", PLUGIN, "--save-interval-updates", "2", *ASYNC)
+    rc, out = attempt(cmd, env={"FAULT_KILL_SAVE": "2"}, timeout=180)
+    assert rc != 0
+    assert not os.path.exists(os.path.join(d, "checkpoint_1_4.pt"))
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
+    log = train(data, d, "oss_adam", 2, 6, extra=ASYNC)
+    assert "(epoch 1 @ 2 updates)" in log
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6
+
+
+def test_asynchronous_save_that_fails_stops_every_rank(data, tmp_path):
+    """The 2nd checkpoint's background write fails (disk full): the error is logged, the
+    next save stops every rank with it (no hang), nothing appears under the failed
+    checkpoint's name, and the 1st checkpoint is intact."""
+    d = str(tmp_path / "run")
+    cmd = train_cmd(data, d, "oss_adam", 2, 8, "--user-dir", PLUGIN, "--save-interval-updates", "2", *ASYNC)
+    rc, out = attempt(cmd, env={"FAULT_FAIL_SAVE": "2"}, timeout=180)
+    assert rc != 0
+    assert "asynchronous checkpoint save failed on this rank: OSError" in out
+    assert "the previous asynchronous checkpoint save failed (rank 0: OSError" in out
+    assert not os.path.exists(os.path.join(d, "checkpoint_1_4.pt"))
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]

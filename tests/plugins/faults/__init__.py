@@ -5,7 +5,8 @@ Driven by environment variables, so the same plugin serves every test:
   rank R at its K-th forward (fairseq then takes its crash.pt path on that rank only),
   after creating the file ``fault-injected-on-rank-R`` in FAULT_MARKER_DIR if that is set;
 - FAULT_KILL_SAVE=N: the process writing the N-th checkpoint kills itself (SIGKILL) in the
-  middle of streaming the optimizer state.
+  middle of writing a tensor record (in the background with asynchronous saves);
+- FAULT_FAIL_SAVE=N: writing a tensor record of the N-th checkpoint fails with ENOSPC.
 """
 import os
 import signal
@@ -38,7 +39,8 @@ class FaultyCrossEntropy(CrossEntropyCriterion):
 
 
 _KILL_AT = int(os.environ.get("FAULT_KILL_SAVE", 0))
-if _KILL_AT:
+_FAIL_AT = int(os.environ.get("FAULT_FAIL_SAVE", 0))
+if _KILL_AT or _FAIL_AT:
     _writers = [0]
     _init = checkpoint_format.CheckpointWriter.__init__
     _write = checkpoint_format._RecordStream.write
@@ -48,6 +50,8 @@ if _KILL_AT:
         _init(self, *args, **kwargs)
 
     def killing_write(self, data):
+        if _writers[0] == _FAIL_AT and self.name.startswith("data/"):
+            raise OSError(28, "No space left on device (injected)")
         _write(self, data)
         if _writers[0] == _KILL_AT and self.name.startswith("data/"):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,257 @@
+"""Checkpoint saves that run in the background (``--write-checkpoints-asynchronously``).
+
+Owns the snapshot a save takes, the background job that writes it, and waiting for it.
+Training is blocked only while every rank copies its shards of the Adam state to CPU
+memory (1/N of the state) and rank 0 copies the rest of the checkpoint (the model
+weights, small entries); then each rank's job thread writes (every rank its shards,
+:mod:`fairseq_oss.parallel_write`, or rank 0 all of it after a gather) through a gloo
+process group of its own, and rank 0's thread pickles the rest, writes the manifest,
+fsyncs, renames into place and makes the copies fairseq asked for
+(``checkpoint_last.pt``, ...), in that order. A checkpoint therefore appears under its
+final name only complete and durable; a killed job leaves the previous one untouched.
+
+Rules kept (see :mod:`fairseq_oss.checkpointing` for where they are called):
+
+* one save in flight: the next save first waits for the previous job on every rank,
+  and every rank raises if any rank's job failed (:func:`wait_and_agree`, collective);
+* a job's failure is logged as an error by the rank it failed on, when it fails;
+* the end of the process waits for the job (a non-daemon thread), and exits with status
+  1 if it failed (:func:`_at_exit`);
+* on fairseq's crash path (an exception being handled, maybe on one rank), the job is
+  waited for without any collective.
+"""
+import atexit
+import collections
+import logging
+import os
+import threading
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from fairseq_oss import collectives, consolidation, parallel_write
+from fairseq_oss.checkpoint_format import CheckpointError
+from fairseq_oss.files import clone_or_copy
+
+logger = logging.getLogger(__name__)
+
+
+class PendingState:
+    """What ``ShardedAdam.state_dict()`` holds under ``"state"`` during an asynchronous
+    save: the background job puts the streamed tensors' placeholders there before the
+    checkpoint is pickled."""
+
+    def __repr__(self):
+        return "<optimizer state being written in the background>"
+
+
+PENDING_STATE = PendingState()
+
+
+class ShardSnapshot:
+    """A frozen copy of a ShardedAdam's shards, on the CPU, with what consolidation and
+    parallel writes read of the optimizer (layout, steps, parameters' shapes and dtypes),
+    and a process group of its own for the background collectives."""
+
+    def __init__(self, opt, group):
+        self.partition, self.rank, self.world_size = opt.partition, opt.rank, opt.world_size
+        self.process_group = group
+        self.params = opt.params  # shapes and dtypes only
+        self.steps = list(opt.steps)
+        self.state_dtype = opt.state_dtype
+        self._shards = [(key, [t.detach().to("cpu", copy=True) for t in local]) for key, local in opt.state_shards()]
+        self.nbytes = sum(t.numel() * t.element_size() for _, local in self._shards for t in local)
+        self._opt = opt
+
+    def state_shards(self):
+        return self._shards
+
+    def shard_ranges(self, bucket):
+        return self._opt.shard_ranges(bucket)
+
+    def state_bucket_buffers(self):
+        sizes = {}
+        for b in self.partition.buckets:
+            sizes[b.kind] = (max(sizes.get(b.kind, (0, None))[0], b.numel), self._shards[0][1][b.index].dtype)
+        return {kind: torch.empty(n, dtype=dtype) for kind, (n, dtype) in sizes.items()}
+
+
+def snapshot_tensors(obj, _copies=None):
+    """``obj`` with every tensor copied to the CPU and every container rebuilt, so that
+    training may go on changing the originals while the copy is written. Tensors that
+    share a storage (tied embeddings) still share one: the file is the one a synchronous
+    save writes."""
+    copies = {} if _copies is None else _copies
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        copy = copies.get(storage._cdata)
+        if copy is None:
+            copy = copies[storage._cdata] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        return torch.empty(0, dtype=obj.dtype).set_(copy, obj.storage_offset(), obj.shape, obj.stride())
+    if isinstance(obj, dict):
+        items = [(k, snapshot_tensors(v, copies)) for k, v in obj.items()]
+        return collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
+    if isinstance(obj, list):
+        return [snapshot_tensors(v, copies) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(snapshot_tensors(v, copies) for v in obj)
+    return obj
+
+
+class BackgroundSave:
+    """One rank's part of one asynchronous save, run by a (non-daemon) thread."""
+
+    def __init__(self, snapshot: ShardSnapshot, writer, parallel: bool):
+        self.snapshot, self.writer, self.parallel = snapshot, writer, parallel
+        self.error: Optional[BaseException] = None
+        self.started = time.perf_counter()
+        self._handoff = threading.Event()
+        self._copies_closed = threading.Event()
+        self._obj = self._path = None
+        self._pending_entries: List[dict] = []
+        self._copies: List[str] = []
+        self.path: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, name="fairseq-oss-async-save", daemon=False)
+        self._thread.start()
+
+    # called by the main thread (rank 0)
+    def hand_off(self, obj, path: str) -> None:
+        """The rest of the checkpoint (already a snapshot) and its final name."""
+        self._obj, self._path = obj, path
+        self.path = os.path.abspath(path)
+        self._handoff.set()
+
+    def add_copy(self, dst: str) -> None:
+        self._copies.append(dst)
+
+    def close_copies(self) -> None:
+        """fairseq asked for every copy it wants of this save; also lets a job whose
+        checkpoint never came (a save that raised before) end."""
+        self._handoff.set()
+        self._copies_closed.set()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self):
+        try:
+            snap, steps = self.snapshot, self.snapshot.steps
+            if self.parallel and snap.world_size > 1 and parallel_write.all_ranks_see(snap, self.writer):
+                placeholders = parallel_write.write_shards(snap, self.writer)
+            else:
+                placeholders = consolidation.stream_to_writer(snap, 0, self.writer)
+            self.snapshot = snap = None  # the shards are written: free them
+            if self.writer is None:
+                return
+            self._handoff.wait()
+            if self._obj is None:
+                raise CheckpointError("the save was abandoned before its checkpoint was handed over")
+            state = {
+                i: {"step": steps[i], "exp_avg": t["exp_avg"], "exp_avg_sq": t["exp_avg_sq"]}
+                for i, t in sorted(placeholders.items())
+            }
+            for entry in _pending_entries(self._obj):
+                entry["state"] = state
+            self.writer.finish(self._obj, self._path)
+            self._obj = None
+            self._copies_closed.wait()
+            for dst in self._copies:
+                clone_or_copy(self._path, dst)
+            logger.info(
+                "oss_adam: asynchronous save of %s complete (%.2f s in the background%s)", self._path,
+                time.perf_counter() - self.started, f", copies: {', '.join(self._copies)}" if self._copies else "",
+            )
+        except BaseException as e:  # noqa: BLE001 - reported by wait_and_agree / at exit
+            self.error = e
+            if self.writer is not None:
+                self.writer.abort()
+            logger.error("oss_adam: asynchronous checkpoint save failed on this rank: %s: %s", type(e).__name__, e)
+
+
+def _pending_entries(obj):
+    if isinstance(obj, dict):
+        if obj.get("state") is PENDING_STATE:
+            yield obj
+        for v in obj.values():
+            yield from _pending_entries(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _pending_entries(v)
+
+
+_JOB: Optional[BackgroundSave] = None
+_GROUPS = {}
+
+
+def background_group(group):
+    """A gloo process group over ``group``'s ranks, for the jobs' collectives (created
+    once per group).
+
+    .. warning:: Collective: call on all ranks of the default group, in the same order.
+    """
+    key = id(group)
+    if key not in _GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        _GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _GROUPS[key]
+
+
+def start(job: BackgroundSave) -> None:
+    global _JOB
+    _JOB = job
+
+
+def current() -> Optional[BackgroundSave]:
+    return _JOB
+
+
+def wait_and_agree(group, world_size: int) -> None:
+    """Wait for this rank's job of the previous save, then raise on every rank if any
+    rank's job failed.
+
+    .. warning:: Collective: call on all ranks.
+    """
+    global _JOB
+    job, _JOB = _JOB, None
+    error = None
+    if job is not None:
+        job.close_copies()
+        job.join()
+        if job.error is not None:
+            error = f"{type(job.error).__name__}: {job.error}"
+    errors = collectives.all_gather_objects(error, group, world_size)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        r, e = failed[0]
+        raise CheckpointError(
+            f"the previous asynchronous checkpoint save failed (rank {r}: {e}); the checkpoint it was "
+            "writing was not committed, the ones before it are intact"
+        )
+
+
+def wait_locally() -> Optional[BaseException]:
+    """Wait for this rank's job without any collective (crash path, exit)."""
+    global _JOB
+    job, _JOB = _JOB, None
+    if job is None:
+        return None
+    job.close_copies()
+    job.join()
+    return job.error
+
+
+def _at_exit():
+    error = wait_locally()
+    if error is not None:
+        logger.error("oss_adam: the last asynchronous checkpoint save failed (%s): exiting with status 1", error)
+        logging.shutdown()
+        os._exit(1)
+
+
+atexit.register(_at_exit)
