@@ -50,6 +50,39 @@ class PendingState:
 PENDING_STATE = PendingState()
 
 
+class _ReusedBuffers:
+    """CPU buffers kept from one save's snapshot to the next: copying into memory already
+    touched costs about a fifth of copying into fresh memory (page faults), and a save
+    starts only once the previous one's job is done with them. Only the buffers the
+    latest save used are kept. Buffers for CUDA tensors are pinned."""
+
+    def __init__(self):
+        self._previous, self._current = {}, {}
+
+    def begin(self) -> None:
+        """A new save: buffers the last one did not use are dropped."""
+        self._previous, self._current = self._current, {}
+
+    def tensor_copy(self, key, t: torch.Tensor) -> torch.Tensor:
+        buf = self._previous.pop(key, None)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        self._current[key] = buf
+        return buf.copy_(t)
+
+    def storage_copy(self, storage) -> torch.UntypedStorage:
+        key = ("storage", storage.data_ptr(), storage.nbytes(), str(storage.device))
+        buf = self._previous.pop(key, None)
+        if buf is None:
+            buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+        self._current[key] = buf
+        buf.untyped_storage().copy_(storage)
+        return buf.untyped_storage()
+
+
+_BUFFERS = _ReusedBuffers()
+
+
 class ShardSnapshot:
     """A frozen copy of a ShardedAdam's shards, on the CPU, with what consolidation and
     parallel writes read of the optimizer (layout, steps, parameters' shapes and dtypes),
@@ -61,7 +94,11 @@ class ShardSnapshot:
         self.params = opt.params  # shapes and dtypes only
         self.steps = list(opt.steps)
         self.state_dtype = opt.state_dtype
-        self._shards = [(key, [t.detach().to("cpu", copy=True) for t in local]) for key, local in opt.state_shards()]
+        _BUFFERS.begin()
+        self._shards = [
+            (key, [_BUFFERS.tensor_copy(("shard", key, i), t.detach()) for i, t in enumerate(local)])
+            for key, local in opt.state_shards()
+        ]
         self.nbytes = sum(t.numel() * t.element_size() for _, local in self._shards for t in local)
         self._opt = opt
 
@@ -82,13 +119,14 @@ def snapshot_tensors(obj, _copies=None):
     """``obj`` with every tensor copied to the CPU and every container rebuilt, so that
     training may go on changing the originals while the copy is written. Tensors that
     share a storage (tied embeddings) still share one: the file is the one a synchronous
-    save writes."""
+    save writes. Copies go into the buffers of the previous save where they fit
+    (call after the save's :class:`ShardSnapshot`)."""
     copies = {} if _copies is None else _copies
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         copy = copies.get(storage._cdata)
         if copy is None:
-            copy = copies[storage._cdata] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            copy = copies[storage._cdata] = _BUFFERS.storage_copy(storage)
         return torch.empty(0, dtype=obj.dtype).set_(copy, obj.storage_offset(), obj.shape, obj.stride())
     if isinstance(obj, dict):
         items = [(k, snapshot_tensors(v, copies)) for k, v in obj.items()]
@@ -114,7 +152,17 @@ class BackgroundSave:
         self._copies: List[str] = []
         self.path: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="fairseq-oss-async-save", daemon=False)
-        self._thread.start()
+        # Rank 0's job starts once it has the whole checkpoint: while rank 0 copies the
+        # model, its job would only compete with it for the CPU (the other ranks' jobs
+        # wait for it in their first collective).
+        self._start_lock = threading.Lock()
+        if writer is None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread.ident is None:
+                self._thread.start()
 
     # called by the main thread (rank 0)
     def hand_off(self, obj, path: str) -> None:
@@ -122,6 +170,7 @@ class BackgroundSave:
         self._obj, self._path = obj, path
         self.path = os.path.abspath(path)
         self._handoff.set()
+        self._start()
 
     def add_copy(self, dst: str) -> None:
         self._copies.append(dst)
@@ -131,8 +180,10 @@ class BackgroundSave:
         checkpoint never came (a save that raised before) end."""
         self._handoff.set()
         self._copies_closed.set()
+        self._start()
 
     def join(self) -> None:
+        self._start()
         self._thread.join()
 
     @property

@@ -8,12 +8,15 @@ from a barrier to the file being complete under its final name.
   (its writeback happens later, outside the timed window; ``adam+fsync`` adds the fsync
   that makes it durable, as oss_adam's saves are);
 - ``oss streamed`` / ``oss parallel``: ``consolidate_state_dict`` + ``CheckpointWriter.finish``
-  (CRCs, fsync, rename, directory fsync), as in fairseq-train.
+  (CRCs, fsync, rename, directory fsync), as in fairseq-train;
+- ``oss async``: what ``--write-checkpoints-asynchronously`` blocks training for: every rank's
+  snapshot of its shards, rank 0's copy of the model and the small entries, the start of
+  the background job (the job itself is waited for outside the timed window).
 Each save starts from a clean page cache for writeback: ``sync`` before each, outside the
 timed window. Contenders interleaved (A B C D A B C D ...), medians over --repeats.
 In-process gloo ranks, fp32 parameters, one Adam step taken before the saves.
 
-Usage: python scripts/bench_save.py [--params 29e6 150e6] [--world-size 2] [--repeats 3] [--dir DIR]
+Usage: python scripts/bench_save.py [--params 35e6 150e6] [--world-size 2] [--repeats 3] [--dir DIR]
 """
 import argparse
 import os
@@ -26,15 +29,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CONTENDERS = ("adam", "adam+fsync", "oss streamed", "oss parallel")
+CONTENDERS = ("adam", "adam+fsync", "oss streamed", "oss parallel", "oss async")
 
 
 def _worker(rank, world_size, port, numel, repeats, directory, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    from fairseq_oss import async_save
     from fairseq_oss.checkpoint_format import CheckpointWriter
     from fairseq_oss.sharded_adam import ShardedAdam
+
+    background = async_save.background_group(None)
 
     torch.manual_seed(0)
     # a transformer-like mix: one large embedding, then square-ish matrices
@@ -71,12 +77,23 @@ def _worker(rank, world_size, port, numel, repeats, directory, out):
                             f.flush()
                             os.fsync(f.fileno())
                     os.replace(tmp, path)
+            elif contender == "oss async":
+                writer = CheckpointWriter(directory) if rank == 0 else None
+                job = async_save.BackgroundSave(async_save.ShardSnapshot(opt, background), writer, parallel=True)
+                if rank == 0:
+                    opt.mark_state_pending()
+                    obj = async_save.snapshot_tensors({"model": model, "last_optimizer_state": opt.state_dict()})
+                    job.hand_off(obj, path)
+                job.close_copies()
             else:
                 writer = CheckpointWriter(directory) if rank == 0 else None
                 opt.consolidate_state_dict(0, writer=writer, stream=True, parallel=contender == "oss parallel")
                 if rank == 0:
                     writer.finish({"model": model, "last_optimizer_state": opt.state_dict()}, path)
             times[contender].append(time.perf_counter() - t0)
+            if contender == "oss async":
+                job.join()  # outside the timed window: training would go on meanwhile
+                assert job.error is None, job.error
             dist.barrier()
     if rank == 0:
         out.put((times, os.path.getsize(path)))
@@ -85,7 +102,7 @@ def _worker(rank, world_size, port, numel, repeats, directory, out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--params", type=float, nargs="+", default=[29e6, 150e6])
+    ap.add_argument("--params", type=float, nargs="+", default=[35e6, 150e6])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
