@@ -68,11 +68,10 @@ class TemporaryFile:
 
     def __init__(self, directory: str):
         os.makedirs(directory, exist_ok=True)
-        umask = os.umask(0)
-        os.umask(umask)
         while True:
             path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}{SUFFIX}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666 & ~umask)
+            # 0o666 less the process's umask (the kernel applies it), as open() would
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             # A cleaner may have locked (and removed) it between our create and our lock:
             # keep it only if we hold the lock and the name is still this file.
             if _try_lock(fd) and _same_file(fd, path):

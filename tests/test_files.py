@@ -127,3 +127,14 @@ def test_a_failed_record_write_is_not_recorded_and_abort_is_quiet(tmp_path, monk
 
 def _enospc(data):
     raise OSError(28, "No space left on device")
+
+
+def test_temporary_gets_the_mode_open_would_give(tmp_path):
+    """0o666 less the umask, as any file the user's programs create (never 0o666 as such)."""
+    old = os.umask(0o027)
+    try:
+        t = TemporaryFile(str(tmp_path))
+    finally:
+        os.umask(old)
+    assert os.stat(t.path).st_mode & 0o777 == 0o640
+    t.discard()

@@ -27,7 +27,7 @@ def summarize(index: CheckpointIndex) -> dict:
         "optimizer_config": (cfg.get("optimizer") or {}).get("_name", getattr(args, "optimizer", None)),
     }
     manifest = index.manifest
-    out["written_by"] = manifest.get("writer", "fairseq-oss (before 0.2)") if manifest else "torch.save (stock fairseq or other)"
+    out["written_by"] = manifest.get("writer", "fairseq-oss 0.1 (its manifest names no writer)") if manifest else "torch.save (stock fairseq or other)"
     out["checksums"] = (
         f"per 1 MiB chunk, {sum(len(r['crc32']) for r in manifest['records'].values())} chunks" if manifest
         else "none beyond the zip's own CRC32 per record"
