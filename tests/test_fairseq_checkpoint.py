@@ -354,3 +354,17 @@ def test_asynchronous_save_that_fails_stops_every_rank(data, tmp_path):
     assert not os.path.exists(os.path.join(d, "checkpoint_1_4.pt"))
     assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
     assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+
+
+def test_asynchronous_save_that_fails_last_fails_the_run(data, tmp_path):
+    """The last checkpoint's background write fails (disk full) as training ends: the run
+    waits for it and exits non-zero, saying so; the checkpoint before is intact and
+    nothing appears under the failed one's name."""
+    d = str(tmp_path / "run")
+    cmd = train_cmd(data, d, "oss_adam", 2, 4, "--user-dir", PLUGIN, "--save-interval-updates", "2", *ASYNC)
+    rc, out = attempt(cmd, env={"FAULT_FAIL_SAVE": "2"}, timeout=180)
+    assert rc != 0
+    assert "the last asynchronous checkpoint save failed: OSError" in out, out[-3000:]
+    assert not os.path.exists(os.path.join(d, "checkpoint_1_4.pt"))
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
