@@ -109,10 +109,7 @@ class ShardSnapshot:
         return self._opt.shard_ranges(bucket)
 
     def state_bucket_buffers(self):
-        sizes = {}
-        for b in self.partition.buckets:
-            sizes[b.kind] = (max(sizes.get(b.kind, (0, None))[0], b.numel), self._shards[0][1][b.index].dtype)
-        return {kind: torch.empty(n, dtype=dtype) for kind, (n, dtype) in sizes.items()}
+        return consolidation.bucket_buffers(self)
 
 
 def snapshot_tensors(obj, _copies=None):
@@ -148,7 +145,6 @@ class BackgroundSave:
         self._handoff = threading.Event()
         self._copies_closed = threading.Event()
         self._obj = self._path = None
-        self._pending_entries: List[dict] = []
         self._copies: List[str] = []
         self.path: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="fairseq-oss-async-save", daemon=False)
@@ -185,10 +181,6 @@ class BackgroundSave:
     def join(self) -> None:
         self._start()
         self._thread.join()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
 
     def _run(self):
         try:

@@ -11,7 +11,6 @@ of :mod:`fairseq_oss.safe_load`: nothing from the file runs.
 Used by the checkpoint tools (:mod:`fairseq_oss.tools`). No collectives, no fairseq.
 """
 import io
-import json
 import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Tuple
@@ -20,7 +19,7 @@ import torch
 from torch import _weights_only_unpickler
 
 from fairseq_oss import safe_load
-from fairseq_oss.checkpoint_format import MANIFEST, CheckpointError, _first_line
+from fairseq_oss.checkpoint_format import CheckpointError, CheckpointReader, _first_line
 
 
 _WHOLE = object()
@@ -73,16 +72,11 @@ class CheckpointIndex:
                 f"{path}: torch's legacy (pre-1.6) format, which cannot be read without loading it whole; "
                 "torch.load it and torch.save it again to convert it"
             )
-        try:
-            self._zip = torch._C.PyTorchFileReader(path)
-        except Exception as e:  # noqa: BLE001 - not a zip, truncated ...
-            raise CheckpointError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
-        names = self._zip.get_all_records()
-        if "data.pkl" not in names:
+        self.reader = CheckpointReader(path)  # opens the zip, reads and checks the manifest
+        self._zip = self.reader._zip
+        if "data.pkl" not in self._zip.get_all_records():
             raise CheckpointError(f"{path}: not a torch checkpoint (no data.pkl record)")
-        self.manifest: Optional[Dict] = None
-        if MANIFEST in names:
-            self.manifest = json.loads(bytes(self._zip.get_record(MANIFEST)).decode())
+        self.manifest: Optional[Dict] = self.reader.manifest
         self.records: Dict[str, Record] = {}
         self._by_storage: Dict[int, Record] = {}
         self.obj = self._unpickle(bytes(self._zip.get_record("data.pkl")))

@@ -15,6 +15,27 @@ from fairseq_oss import collectives
 from fairseq_oss.checkpoint_format import StorageRef, StreamedTensor
 
 
+def bucket_buffers(opt) -> Dict[str, torch.Tensor]:
+    """One bucket of state per kind, like ``opt``'s shards (dtype, device), reused by
+    every gather or scatter of a pass."""
+    shards = opt.state_shards()[0][1]
+    sizes, first = {}, {}
+    for b in opt.partition.buckets:
+        sizes[b.kind] = max(sizes.get(b.kind, 0), b.numel)
+        first.setdefault(b.kind, b.index)
+    return {kind: shards[first[kind]].new_empty(n) for kind, n in sizes.items()}
+
+
+def record_views(opt, seg, key: str, ref: StorageRef, views: Dict, placeholders: Dict) -> None:
+    """Where segment ``seg``'s state ``key`` lies (record ``data/<ref.key>``): each of its
+    parameters' entry in the manifest's ``views``, and, for stepped ones, the
+    :class:`StreamedTensor` that stands in for it in the state dict."""
+    for param, offset in seg.param_offsets:
+        views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]
+        if opt.steps[param] > 0:
+            placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, opt.params[param].shape)
+
+
 def gather_in_memory(opt, recipient_rank: int) -> Optional[Dict[int, Dict[str, torch.Tensor]]]:
     """The full state of every stepped parameter, shaped like it, on ``recipient_rank``
     (None elsewhere): one bucket at a time, point to point into one reused buffer.
@@ -85,11 +106,7 @@ def stream_to_writer(opt, recipient_rank: int, writer) -> Optional[Dict]:
                         except Exception as e:  # noqa: BLE001
                             error = e
             if ref is not None and error is None:
-                for param, offset in seg.param_offsets:
-                    views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]
-                    if opt.steps[param] > 0:
-                        shape = opt.params[param].shape
-                        placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, shape)
+                record_views(opt, seg, key, ref, views, placeholders)
     if error is not None:
         raise error
     if writer is None:

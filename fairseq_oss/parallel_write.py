@@ -28,8 +28,8 @@ import socket
 import zlib
 from typing import Dict, List, Optional, Tuple
 
-from fairseq_oss import collectives
-from fairseq_oss.checkpoint_format import CHUNK_BYTES, CheckpointError, StorageRef, StreamedTensor, _bytes_of
+from fairseq_oss import collectives, consolidation
+from fairseq_oss.checkpoint_format import CHUNK_BYTES, CheckpointError, StorageRef, _bytes_of, crc32_combine
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,6 @@ def _crc_pieces(data: memoryview, pos: int):
 def _fill(opt, writer, layout, segments, keys, reports) -> Dict:
     """Rank 0: combine every rank's pieces into chunk CRCs, fill the records in, and
     build the manifest's views and the state dict's placeholders."""
-    from fairseq_oss.checkpoint_format import crc32_combine
-
     by_record: Dict[str, List[Tuple[int, int, int]]] = {}
     for pieces in reports:
         for name, ps in pieces.items():
@@ -210,9 +208,6 @@ def _fill(opt, writer, layout, segments, keys, reports) -> Dict:
             writer.fill_reserved(name, crcs)
             ref = StorageRef(name.split("/", 1)[1], opt.state_dtype(opt.params[seg.param_offsets[0][0]].dtype),
                              seg.numel)
-            for param, offset in seg.param_offsets:
-                views.setdefault(str(param), {})[key] = [name, offset]
-                if opt.steps[param] > 0:
-                    placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, opt.params[param].shape)
+            consolidation.record_views(opt, seg, key, ref, views, placeholders)
     writer.extra_manifest["optimizer_views"] = views
     return placeholders

@@ -333,11 +333,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def state_bucket_buffers(self) -> Dict[str, torch.Tensor]:
         """One bucket of state per kind, reused by every gather or scatter of a pass."""
-        sizes, first = {}, {}
-        for b in self.partition.buckets:
-            sizes[b.kind] = max(sizes.get(b.kind, 0), b.numel)
-            first.setdefault(b.kind, b.index)
-        return {kind: self._exp_avg[first[kind]].new_empty(n) for kind, n in sizes.items()}
+        return consolidation.bucket_buffers(self)
 
     def state_dict(self):
         """The state in the format of ``fairseq.optim.adam.Adam.state_dict()``: one entry

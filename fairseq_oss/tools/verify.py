@@ -66,7 +66,7 @@ def verify_file(path) -> str:
         if not os.path.isfile(path):
             raise  # missing, a directory: the index said so
         index = None  # a damaged pickle: the record checks below say where
-    reader = CheckpointReader(path)  # raises for what is no zip checkpoint at all
+    reader = index.reader if index is not None else CheckpointReader(path)  # raises for no zip checkpoint
     manifest = reader.manifest
     total = sum(r["nbytes"] for r in manifest["records"].values()) if manifest else _zip_total(path)
     progress = Progress(f"verify {path}", total)
