@@ -31,7 +31,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from fairseq_oss import collectives, consolidation, parallel_write
+from fairseq_oss import collectives, consolidation, model_weights, save_records
 from fairseq_oss.checkpoint_format import CheckpointError
 from fairseq_oss.files import clone_or_copy
 
@@ -63,10 +63,12 @@ class _ReusedBuffers:
         """A new save: buffers the last one did not use are dropped."""
         self._previous, self._current = self._current, {}
 
-    def tensor_copy(self, key, t: torch.Tensor) -> torch.Tensor:
+    def tensor_copy(self, key, t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A CPU copy of ``t`` (cast to ``dtype`` if given)."""
+        dtype = t.dtype if dtype is None else dtype
         buf = self._previous.pop(key, None)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        if buf is None or buf.shape != t.shape or buf.dtype != dtype:
+            buf = torch.empty(t.shape, dtype=dtype, pin_memory=t.is_cuda)
         self._current[key] = buf
         return buf.copy_(t)
 
@@ -84,11 +86,13 @@ _BUFFERS = _ReusedBuffers()
 
 
 class ShardSnapshot:
-    """A frozen copy of a ShardedAdam's shards, on the CPU, with what consolidation and
-    parallel writes read of the optimizer (layout, steps, parameters' shapes and dtypes),
-    and a process group of its own for the background collectives."""
+    """A frozen copy, on the CPU, of what this rank writes of a save: its shards of a
+    ShardedAdam's state and, if given, its part of the model's weights (its 1/N where the
+    ranks write in parallel; all of them on rank 0 otherwise); with what consolidation
+    and parallel writes read of the optimizer (layout, steps, parameters' shapes and
+    dtypes), and a process group of its own for the background collectives."""
 
-    def __init__(self, opt, group):
+    def __init__(self, opt, group, weights=None, parallel: bool = False):
         self.partition, self.rank, self.world_size = opt.partition, opt.rank, opt.world_size
         self.process_group = group
         self.params = opt.params  # shapes and dtypes only
@@ -100,6 +104,12 @@ class ShardSnapshot:
             for key, local in opt.state_shards()
         ]
         self.nbytes = sum(t.numel() * t.element_size() for _, local in self._shards for t in local)
+        self.weights = None
+        if weights is not None:
+            rank, size = (self.rank, self.world_size) if parallel else (0, 1)
+            self.weights = weights.snapshot(rank, size, _BUFFERS.tensor_copy)
+            self.nbytes += sum(t.numel() * t.element_size() for plan in self.weights.plans(rank, size)
+                               for _, t in plan.parts)
         self._opt = opt
 
     def state_shards(self):
@@ -140,6 +150,7 @@ class BackgroundSave:
 
     def __init__(self, snapshot: ShardSnapshot, writer, parallel: bool):
         self.snapshot, self.writer, self.parallel = snapshot, writer, parallel
+        self.weights = snapshot.weights
         self.error: Optional[BaseException] = None
         self.started = time.perf_counter()
         self._handoff = threading.Event()
@@ -162,7 +173,9 @@ class BackgroundSave:
 
     # called by the main thread (rank 0)
     def hand_off(self, obj, path: str) -> None:
-        """The rest of the checkpoint (already a snapshot) and its final name."""
+        """The rest of the checkpoint and its final name: copied now (but for the weights
+        already in the snapshot), written by the job."""
+        obj = snapshot_tensors(model_weights.with_shell(obj, self.weights, snapshot_tensors))
         self._obj, self._path = obj, path
         self.path = os.path.abspath(path)
         self._handoff.set()
@@ -185,10 +198,7 @@ class BackgroundSave:
     def _run(self):
         try:
             snap, steps = self.snapshot, self.snapshot.steps
-            if self.parallel and snap.world_size > 1 and parallel_write.all_ranks_see(snap, self.writer):
-                placeholders = parallel_write.write_shards(snap, self.writer)
-            else:
-                placeholders = consolidation.stream_to_writer(snap, 0, self.writer)
+            placeholders = save_records.write(snap, self.writer, self.parallel, self.weights)
             self.snapshot = snap = None  # the shards are written: free them
             if self.writer is None:
                 return
@@ -201,7 +211,7 @@ class BackgroundSave:
             }
             for entry in _pending_entries(self._obj):
                 entry["state"] = state
-            self.writer.finish(self._obj, self._path)
+            self.writer.finish(model_weights.with_placeholders(self._obj, self.weights), self._path)
             self._obj = None
             self._copies_closed.wait()
             for dst in self._copies:
@@ -243,6 +253,26 @@ def background_group(group):
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         _GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
     return _GROUPS[key]
+
+
+def begin(opt, writer, weights, group, world_size: int, shared_fs: bool) -> BackgroundSave:
+    """Take this rank's snapshot (the blocking part of an asynchronous save) and start its
+    job: ``opt``'s shards and, of ``weights`` (a
+    :class:`~fairseq_oss.model_weights.ModelWeights` or None), this rank's part. Rank 0
+    (``writer`` given) hands the rest of the checkpoint over later
+    (:meth:`BackgroundSave.hand_off`); ``opt.state_dict()`` marks the state pending.
+
+    .. warning:: Collective: call on all ranks of ``group``.
+    """
+    parallel = save_records.choose_parallel(opt, writer, shared_fs)
+    background = background_group(group) if world_size > 1 else None
+    if not parallel and writer is None:
+        weights = None  # rank 0 writes them all
+    job = BackgroundSave(ShardSnapshot(opt, background, weights, parallel), writer, parallel)
+    start(job)
+    if writer is not None:
+        opt.mark_state_pending()
+    return job
 
 
 def start(job: BackgroundSave) -> None:

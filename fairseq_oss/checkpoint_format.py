@@ -103,6 +103,23 @@ class StreamedTensor:
         )
 
 
+class RecordPlan:
+    """One record of a save as one rank sees it: its size, and the parts of it that this
+    rank writes, in order, each ``(byte position in the record, tensor)``, the tensor on
+    the CPU or a function that returns it (made when written: bounded memory). The same
+    ``nbytes`` on every rank; the ranks' parts tile the record."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, nbytes: int, parts):
+        self.nbytes, self.parts = nbytes, parts
+
+    def pieces(self):
+        """This rank's ``(byte position, bytes)``, one part at a time."""
+        for pos, part in self.parts:
+            yield pos, _bytes_of(part() if callable(part) else part)
+
+
 def _storage_type(dtype: torch.dtype):
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 

@@ -56,6 +56,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Optional
 
 import torch
 from fairseq import checkpoint_utils
@@ -65,7 +66,7 @@ from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
 
 from fairseq_oss import compat  # noqa: F401 - its launch fixes first: call_main is wrapped over them
-from fairseq_oss import async_save, collectives, safe_load
+from fairseq_oss import async_save, collectives, model_weights, safe_load
 from fairseq_oss.checkpoint_format import (
     CheckpointError,
     CheckpointReader,
@@ -76,6 +77,7 @@ from fairseq_oss.checkpoint_format import (
     load_mmap,
 )
 from fairseq_oss.files import TemporaryFile, clone_or_copy
+from fairseq_oss.model_weights import ModelWeights
 from fairseq_oss.sharded_adam import UNAVAILABLE, ShardedAdam
 from fairseq_oss.sharded_tensors import has_dtensor, register_sharded_tensor_hooks
 
@@ -108,16 +110,24 @@ def _options(trainer):
     }
 
 
+class _Pending:
+    """Rank 0's save in progress, from ``consolidate_optimizer`` to ``torch_persistent_save``:
+    its writer and the layout of the weights written into it (or None)."""
+
+    def __init__(self, writer, weights):
+        self.writer, self.weights = writer, weights
+
+
 def _take_pending():
-    writer = getattr(_STATE, "pending", None)
+    pending = getattr(_STATE, "pending", None)
     _STATE.pending = None
-    return writer
+    return pending
 
 
 def _abort_pending():
-    writer = _take_pending()
-    if writer is not None:
-        writer.abort()
+    pending = _take_pending()
+    if pending is not None:
+        pending.writer.abort()
 
 
 atexit.register(_abort_pending)
@@ -141,39 +151,70 @@ def consolidate_optimizer(self):
     elif getattr(_STATE, "async_save", False):
         async_save.wait_and_agree(group, world_size)  # one save in flight, failures on every rank
         return _start_async_save(self, inner, group, world_size)
-    writer = None
-    if self.data_parallel_rank == 0 and not crashing:
-        writer = CheckpointWriter(self.cfg.checkpoint.save_dir)
+    writer = None if crashing else _open_writer(self, group, world_size)
     try:
+        weights = None if crashing else model_weights_of(self)
         inner.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True,
-                                     parallel=_options(self)["shared_fs"])
+                                     parallel=_options(self)["shared_fs"], weights=weights)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    _STATE.pending = writer
+    _STATE.pending = _Pending(writer, weights) if writer is not None else None
+
+
+def _open_writer(trainer, group, world_size):
+    """Rank 0's CheckpointWriter (None elsewhere). If rank 0 cannot create its file (an
+    unwritable or missing save directory, a full disk), every rank raises the same error.
+
+    .. warning:: Collective: call on all ranks.
+    """
+    writer, error = None, None
+    if trainer.data_parallel_rank == 0:
+        directory = trainer.cfg.checkpoint.save_dir
+        try:
+            writer = CheckpointWriter(directory)
+        except OSError as e:
+            error = f"rank 0 cannot write a checkpoint in {directory}: {e}"
+    if world_size > 1:
+        error = collectives.broadcast_object(error, group, world_size)
+    if error is not None:
+        raise CheckpointError(error)
+    return writer
+
+
+def model_weights_of(trainer) -> Optional[ModelWeights]:
+    """The records of what ``Trainer.state_dict()`` saves as the model, on every rank, so
+    that every rank writes 1/N of them; None where rank 0 must pickle the model itself
+    (DTensors: their state-dict hooks gather, in ``Trainer.state_dict()``)."""
+    if has_dtensor(trainer.get_model()):
+        return None
+    return ModelWeights.of(trainer.model.state_dict())
 
 
 def _start_async_save(trainer, inner, group, world_size):
-    """Snapshot this rank's shards (blocking) and start its background job; rank 0's job
-    gets the rest of the checkpoint from torch_persistent_save."""
-    background = async_save.background_group(group) if world_size > 1 else None
+    """Snapshot this rank's shards and its part of the weights (blocking) and start its
+    background job; rank 0's job gets the rest of the checkpoint from torch_persistent_save."""
     started = time.perf_counter()
-    snapshot = async_save.ShardSnapshot(inner, background)
-    writer = CheckpointWriter(trainer.cfg.checkpoint.save_dir) if trainer.data_parallel_rank == 0 else None
-    async_save.start(async_save.BackgroundSave(snapshot, writer, parallel=_options(trainer)["shared_fs"]))
-    if writer is not None:
-        inner.mark_state_pending()
-    logger.info("oss_adam: optimizer state snapshot taken in %.2f s (%.1f MiB on this rank); written in the "
-                "background", time.perf_counter() - started, snapshot.nbytes / 2**20)
+    writer = _open_writer(trainer, group, world_size)
+    try:
+        job = async_save.begin(inner, writer, model_weights_of(trainer), group, world_size,
+                               _options(trainer)["shared_fs"])
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    logger.info("oss_adam: checkpoint snapshot taken in %.2f s (%.1f MiB on this rank); written in the "
+                "background", time.perf_counter() - started, job.snapshot.nbytes / 2**20)
 
 
 def torch_persistent_save(obj, filename, async_write: bool = False):
     job = async_save.current()
     if getattr(_STATE, "async_save", False) and job is not None and job.writer is not None and job.path is None:
-        job.hand_off(async_save.snapshot_tensors(obj), filename)  # copied now; written by the job
+        job.hand_off(obj, filename)  # copied now; written by the job
         return
-    writer = _take_pending()
+    pending = _take_pending()
+    writer = pending.writer if pending is not None else None
     if isinstance(obj, dict) and obj.get("last_optimizer_state") is UNAVAILABLE:
         logger.warning(
             "%s is written without optimizer state: it was requested while an exception was "
@@ -195,7 +236,8 @@ def torch_persistent_save(obj, filename, async_write: bool = False):
     if async_write:
         logger.info("oss_adam writes %s synchronously (its state streams from all ranks)", filename)
     try:
-        writer.finish(obj, filename)
+        writer.finish(model_weights.with_placeholders(model_weights.with_shell(obj, pending.weights),
+                                                      pending.weights), filename)
     except BaseException:
         writer.abort()
         raise

@@ -7,12 +7,12 @@ time, so that its memory rises by one bucket whatever the model and world size. 
 the optimizer's shards and layout and changes nothing in it. Tensors only, never pickles.
 """
 import contextlib
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from fairseq_oss import collectives
-from fairseq_oss.checkpoint_format import StorageRef, StreamedTensor
+from fairseq_oss.checkpoint_format import RecordPlan, StorageRef, StreamedTensor
 
 
 def bucket_buffers(opt) -> Dict[str, torch.Tensor]:
@@ -34,6 +34,44 @@ def record_views(opt, seg, key: str, ref: StorageRef, views: Dict, placeholders:
         views.setdefault(str(param), {})[key] = [f"data/{ref.key}", offset]
         if opt.steps[param] > 0:
             placeholders.setdefault(param, {})[key] = StreamedTensor(ref, offset, opt.params[param].shape)
+
+
+def state_plans(opt) -> List[RecordPlan]:
+    """The state's records as :func:`stream_to_writer` writes them (one per segment and
+    state key, in that order), each with this rank's shards as its parts: what
+    :func:`fairseq_oss.parallel_write.write_records` writes instead of a gather."""
+    plans = []
+    for seg in opt.partition.segments():
+        itemsize = torch.empty(0, dtype=_dtype(opt, seg)).element_size()
+        for _, local in opt.state_shards():
+            parts, at = [], 0  # at: the bucket's first element within the segment
+            for bi in seg.buckets:
+                b = opt.partition.buckets[bi]
+                start, end = b.shard_range(opt.rank)
+                if end > start:
+                    parts.append(((at + start) * itemsize, local[b.index]))
+                at += b.numel
+            plans.append(RecordPlan(seg.numel * itemsize, parts))
+    return plans
+
+
+def placed_state(opt, writer, names: List[str]) -> Dict:
+    """Rank 0, after the records of :func:`state_plans` were written as ``names``: the
+    manifest's views (into ``writer``) and the stepped parameters' placeholders, as
+    :func:`stream_to_writer` returns them."""
+    placeholders: Dict[int, Dict] = {}
+    views: Dict[str, Dict[str, list]] = {}
+    names = iter(names)
+    for seg in opt.partition.segments():
+        for key, _ in opt.state_shards():
+            ref = StorageRef(next(names).split("/", 1)[1], _dtype(opt, seg), seg.numel)
+            record_views(opt, seg, key, ref, views, placeholders)
+    writer.extra_manifest["optimizer_views"] = views
+    return placeholders
+
+
+def _dtype(opt, seg) -> torch.dtype:
+    return opt.state_dtype(opt.params[seg.param_offsets[0][0]].dtype) if seg.param_offsets else torch.float32
 
 
 def gather_in_memory(opt, recipient_rank: int) -> Optional[Dict[int, Dict[str, torch.Tensor]]]:
@@ -82,8 +120,7 @@ def stream_to_writer(opt, recipient_rank: int, writer) -> Optional[Dict]:
     error = None
     out_buffers = opt.state_bucket_buffers() if opt.rank == recipient_rank else {}
     for seg in opt.partition.segments():
-        p0 = opt.params[seg.param_offsets[0][0]] if seg.param_offsets else None
-        dtype = opt.state_dtype(p0.dtype) if p0 is not None else torch.float32
+        dtype = _dtype(opt, seg)
         for key, local in opt.state_shards():
             ref = None
             with contextlib.ExitStack() as record:

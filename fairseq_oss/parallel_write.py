@@ -1,10 +1,11 @@
-"""Every rank writes its own shard of the Adam state into the one checkpoint file.
+"""Every rank writes its own parts of a save's large records into the one checkpoint file.
 
-Owns the parallel alternative to :func:`fairseq_oss.consolidation.stream_to_writer`,
+Owns the parallel alternative to rank 0 writing them all (:mod:`fairseq_oss.save_records`),
 for ranks that share a file system. The file is the same, byte for byte: rank 0's
-:class:`~fairseq_oss.checkpoint_format.CheckpointWriter` lays out the optimizer records
-exactly as the streamed writer would (headers, alignment), leaving their bytes as holes;
-each rank puts its shard's bytes at their offsets with ``pwrite`` through its own file
+:class:`~fairseq_oss.checkpoint_format.CheckpointWriter` lays out the records exactly as
+it would stream them (headers, alignment), leaving their bytes as holes; each rank puts
+its parts (:class:`~fairseq_oss.checkpoint_format.RecordPlan`: its shards of the Adam
+state, its 1/N of the weights) at their offsets with ``pwrite`` through its own file
 descriptor and fsyncs them; the CRC of each piece goes back to rank 0, which combines
 them into the manifest's per-chunk CRCs and the records' headers. Nothing is committed
 until every rank reported success.
@@ -14,11 +15,11 @@ The sequence, each step on all ranks of ``opt.process_group`` (collective):
 1. :func:`all_ranks_see`: rank 0 puts a random token at the start of its temporary file
    and tells the others the file's path; each rank reads the token back through that
    path. Any rank that cannot (no shared file system, another node's file of the same
-   name) makes every rank return False: the caller streams the state to rank 0 instead,
+   name) makes every rank return False: rank 0 then writes everything instead,
    and rank 0 logs who could not see the file. The token is overwritten by the file's
    first header either way.
-2. :func:`write_shards`: rank 0 reserves the records, broadcasts their offsets; every
-   rank writes and fsyncs its pieces, and reports their CRCs or its error; rank 0 fills
+2. :func:`write_records`: rank 0 reserves the records, broadcasts their offsets; every
+   rank writes and fsyncs its parts, and reports their CRCs or its error; rank 0 fills
    the records in. An error on any rank raises on every rank (rank 0's caller aborts the
    writer: no file appears under the checkpoint's name).
 """
@@ -28,8 +29,8 @@ import socket
 import zlib
 from typing import Dict, List, Optional, Tuple
 
-from fairseq_oss import collectives, consolidation
-from fairseq_oss.checkpoint_format import CHUNK_BYTES, CheckpointError, StorageRef, _bytes_of, crc32_combine
+from fairseq_oss import collectives
+from fairseq_oss.checkpoint_format import CHUNK_BYTES, CheckpointError, RecordPlan, crc32_combine
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ def all_ranks_see(opt, writer) -> bool:
     others = [f"rank {r} on {host} {what}" for r, (host, what) in enumerate(views) if what != "sees it"]
     if others and opt.rank == 0:
         logger.warning(
-            "oss_adam: not every rank sees %s (%s): rank 0 gathers and writes the optimizer state alone "
-            "(as with --oss-no-shared-fs)", path, "; ".join(others),
+            "oss_adam: not every rank sees %s (%s): rank 0 writes the weights and the gathered optimizer "
+            "state alone (as with --oss-no-shared-fs)", path, "; ".join(others),
         )
     return not others
 
@@ -81,23 +82,22 @@ def _read_token(path: str) -> bytes:
         os.close(fd)
 
 
-def write_shards(opt, writer) -> Optional[Dict]:
-    """Write every rank's shards into rank 0's file (see the module docstring, 2).
-    Returns, on rank 0, the :class:`StreamedTensor` placeholders of the stepped
-    parameters (as :func:`~fairseq_oss.consolidation.stream_to_writer` does); None
-    elsewhere.
+def write_records(opt, writer, plans: List[RecordPlan]) -> Optional[List[str]]:
+    """Write every rank's parts of ``plans`` into rank 0's file (see the module
+    docstring, 2). Returns, on rank 0, each plan's record name (``data/KEY``), in order;
+    None elsewhere.
 
     Raises:
-        CheckpointError: on every rank, naming the first rank's error, if any rank failed.
+        CheckpointError: on every rank, naming the first rank's error, if any rank failed
+            (or planned other records than rank 0).
 
-    .. warning:: Collective: call on all ranks, after :func:`all_ranks_see` said True.
+    .. warning:: Collective: call on all ranks, after :func:`all_ranks_see` said True,
+       with the same records (``nbytes``) in the same order.
     """
-    segments = opt.partition.segments()
-    keys = [key for key, _ in opt.state_shards()]
     layout, error = None, None
     if writer is not None:
         try:
-            layout = _reserve(opt, writer, segments, keys)
+            layout = _reserve(writer, plans)
         except Exception as e:  # noqa: BLE001 - every rank must learn it
             error = f"rank 0: {e}"
     layout = collectives.broadcast_object((layout, os.path.abspath(writer.tmp_path)) if writer else None,
@@ -105,7 +105,7 @@ def write_shards(opt, writer) -> Optional[Dict]:
     pieces: Dict[str, List[Tuple[int, int, int]]] = {}
     if layout[0] is not None:
         try:
-            pieces = _write_own_pieces(opt, layout[1], layout[0], segments, keys)
+            pieces = _write_own_pieces(layout[1], layout[0], plans)
         except Exception as e:  # noqa: BLE001
             error = f"rank {opt.rank} on {socket.gethostname()}: {e}"
     reports = collectives.all_gather_objects((error, pieces), opt.process_group, opt.world_size)
@@ -116,47 +116,34 @@ def write_shards(opt, writer) -> Optional[Dict]:
         raise CheckpointError(f"parallel checkpoint write failed: {first}")
     if writer is None:
         return None
-    return _fill(opt, writer, layout[0], segments, keys, [p for _, p in reports])
+    return _fill(writer, layout[0], [p for _, p in reports])
 
 
-def _reserve(opt, writer, segments, keys) -> List[Tuple[str, int, int]]:
-    """Rank 0: reserve one record per segment and key, in the streamed writer's order;
-    returns ``(record name, data offset, item size)`` in that order."""
+def _reserve(writer, plans) -> List[Tuple[str, int, int]]:
+    """Rank 0: reserve one record per plan, in order; returns ``(record name, data
+    offset, size)`` of each."""
     out = []
-    for seg in segments:
-        p0 = opt.params[seg.param_offsets[0][0]]
-        dtype = opt.state_dtype(p0.dtype)
-        itemsize = p0.new_empty(0, dtype=dtype).element_size()
-        for _ in keys:
-            ref = StorageRef(writer.new_key(), dtype, seg.numel)
-            name = f"data/{ref.key}"
-            out.append((name, writer.reserve(name, seg.numel * itemsize), itemsize))
+    for plan in plans:
+        name = f"data/{writer.new_key()}"
+        out.append((name, writer.reserve(name, plan.nbytes), plan.nbytes))
     writer._file.flush()
     return out
 
 
-def _write_own_pieces(opt, path, layout, segments, keys) -> Dict[str, List[Tuple[int, int, int]]]:
-    """This rank's shard of every record, written at its offset; returns, per record,
+def _write_own_pieces(path, layout, plans) -> Dict[str, List[Tuple[int, int, int]]]:
+    """This rank's parts of every record, written at their offsets; returns, per record,
     ``(byte start in the record, length, CRC32)`` of each piece, cut at chunk bounds."""
-    shards = dict(opt.state_shards())
+    if len(layout) != len(plans) or any(n != plan.nbytes for (_, _, n), plan in zip(layout, plans)):
+        raise CheckpointError("this rank planned other records than rank 0 (do the ranks hold the same model?)")
     fd = os.open(path, os.O_WRONLY)
     pieces: Dict[str, List[Tuple[int, int, int]]] = {}
     try:
-        slot = 0
-        for seg in segments:
-            for key in keys:
-                name, data_offset, itemsize = layout[slot]
-                slot += 1
-                at = 0  # the bucket's first element within the segment
-                for bi in seg.buckets:
-                    b = opt.partition.buckets[bi]
-                    start, end = b.shard_range(opt.rank)
-                    if end > start:
-                        data = _bytes_of(shards[key][b.index])
-                        pos = (at + start) * itemsize
-                        _pwrite_all(fd, data, data_offset + pos)
-                        pieces.setdefault(name, []).extend(_crc_pieces(data, pos))
-                    at += b.numel
+        for (name, data_offset, nbytes), plan in zip(layout, plans):
+            for pos, data in plan.pieces():
+                if pos + len(data) > nbytes:
+                    raise CheckpointError(f"{name}: a part ends at byte {pos + len(data)} of {nbytes}")
+                _pwrite_all(fd, data, data_offset + pos)
+                pieces.setdefault(name, []).extend(_crc_pieces(data, pos))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -179,35 +166,23 @@ def _crc_pieces(data: memoryview, pos: int):
     return out
 
 
-def _fill(opt, writer, layout, segments, keys, reports) -> Dict:
-    """Rank 0: combine every rank's pieces into chunk CRCs, fill the records in, and
-    build the manifest's views and the state dict's placeholders."""
+def _fill(writer, layout, reports) -> List[str]:
+    """Rank 0: combine every rank's pieces into chunk CRCs and fill the records in."""
     by_record: Dict[str, List[Tuple[int, int, int]]] = {}
     for pieces in reports:
         for name, ps in pieces.items():
             by_record.setdefault(name, []).extend(ps)
-    placeholders: Dict[int, Dict] = {}
-    views: Dict[str, Dict[str, list]] = {}
-    slot = 0
-    for seg in segments:
-        for key in keys:
-            name, _, itemsize = layout[slot]
-            slot += 1
-            nbytes = seg.numel * itemsize
-            crcs, pos = [], 0
-            for start, length, crc in sorted(by_record.get(name, [])):
-                if start != pos:
-                    raise CheckpointError(f"{name}: bytes {pos}-{start} were written by no rank")
-                if start % CHUNK_BYTES == 0:
-                    crcs.append(crc)
-                else:
-                    crcs[-1] = crc32_combine(crcs[-1], crc, length)
-                pos = start + length
-            if pos != nbytes:
-                raise CheckpointError(f"{name}: bytes {pos}-{nbytes} were written by no rank")
-            writer.fill_reserved(name, crcs)
-            ref = StorageRef(name.split("/", 1)[1], opt.state_dtype(opt.params[seg.param_offsets[0][0]].dtype),
-                             seg.numel)
-            consolidation.record_views(opt, seg, key, ref, views, placeholders)
-    writer.extra_manifest["optimizer_views"] = views
-    return placeholders
+    for name, _, nbytes in layout:
+        crcs, pos = [], 0
+        for start, length, crc in sorted(by_record.get(name, [])):
+            if start != pos:
+                raise CheckpointError(f"{name}: bytes {pos}-{start} were written by no rank")
+            if start % CHUNK_BYTES == 0:
+                crcs.append(crc)
+            else:
+                crcs[-1] = crc32_combine(crcs[-1], crc, length)
+            pos = start + length
+        if pos != nbytes:
+            raise CheckpointError(f"{name}: bytes {pos}-{nbytes} were written by no rank")
+        writer.fill_reserved(name, crcs)
+    return [name for name, _, _ in layout]

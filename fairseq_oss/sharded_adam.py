@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq_oss import collectives, consolidation, parallel_write, state_loading
+from fairseq_oss import collectives, consolidation, save_records, state_loading
 from fairseq_oss.async_save import PENDING_STATE
 from fairseq_oss.checkpoint_format import OptimizerStateFile
 from fairseq_oss.partition import Bucket, ParamSpec, Partition, Piece, partition
@@ -288,7 +288,7 @@ class ShardedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state dict
 
     def consolidate_state_dict(self, recipient_rank: int = 0, writer=None, stream: bool = False,
-                               parallel: bool = False) -> None:
+                               parallel: bool = False, weights=None) -> None:
         """Gather the full Adam state on ``recipient_rank`` (a rank of ``process_group``),
         one bucket at a time, as tensors (never pickles); other ranks only send.
 
@@ -303,6 +303,9 @@ class ShardedAdam(torch.optim.Optimizer):
         With ``parallel=True`` too (on all ranks; ``recipient_rank`` 0), every rank writes
         its own shard into the writer's file itself, if every rank sees that file
         (:mod:`fairseq_oss.parallel_write`; the same bytes), else the recipient gathers.
+        ``weights`` (:class:`~fairseq_oss.model_weights.ModelWeights`, the same on every
+        rank) go into the file in the same pass, written the same way
+        (:mod:`fairseq_oss.save_records`).
 
         Called while an exception is being handled (fairseq's ``crash.pt`` path, possibly
         on one rank only), it runs no collective and :meth:`state_dict` returns
@@ -315,15 +318,21 @@ class ShardedAdam(torch.optim.Optimizer):
             self._consolidated = UNAVAILABLE
             return
         is_recipient = self.rank == recipient_rank
-        if stream:
+        if stream and recipient_rank == 0:
             mine = writer if is_recipient else None
-            if parallel and recipient_rank == 0 and self.world_size > 1 and parallel_write.all_ranks_see(self, mine):
-                streamed = parallel_write.write_shards(self, mine)
-            else:
-                streamed = consolidation.stream_to_writer(self, recipient_rank, mine)
-            self._consolidated = streamed if is_recipient else UNAVAILABLE
+            parallel = save_records.choose_parallel(self, mine, parallel)
+            self.set_streamed(save_records.write(self, mine, parallel, weights))
+        elif stream:
+            self._consolidated = consolidation.stream_to_writer(self, recipient_rank, writer if is_recipient else None)
+            if not is_recipient:
+                self._consolidated = UNAVAILABLE
         elif self.world_size > 1:
             self._consolidated = consolidation.gather_in_memory(self, recipient_rank)
+
+    def set_streamed(self, placeholders) -> None:
+        """The state was written by a streamed or parallel save: :meth:`state_dict` returns
+        ``placeholders`` (rank 0's) once; on other ranks it is unavailable."""
+        self._consolidated = placeholders if self.rank == 0 else UNAVAILABLE
 
     def state_shards(self):
         return (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq))

@@ -1,21 +1,28 @@
 #!/usr/bin/env python3
-"""Benchmark: plain Adam, fairscale OSS, PyTorch's ZeroRedundancyOptimizer and oss_adam,
-on the same transformer_lm and data, on CPU with gloo.
+"""Benchmark: plain Adam, fairscale OSS, PyTorch's ZeroRedundancyOptimizer and oss_adam
+(with and without --write-checkpoints-asynchronously), on the same transformer_lm and
+data, on CPU with gloo; then checkpoint saves and loads as the model and N grow.
 
-    python scripts/bench.py [--quick] [--out bench-results]
+    python scripts/bench.py [--quick] [--out bench-results] [--no-scaling]
 
-For each contender: a run on 2 ranks that saves half-way and goes on (seconds per update and
-per optimizer step at steady state, optimizer state on the largest rank against total/N, peak memory, save time
-and the writer's memory rise, checkpoint size), then resumes of the half-way checkpoint on
-1, 2 and 4 ranks (wall time and each rank's memory rise during the load, and whether the
-resume on 2 ranks ends with the same parameters as the uninterrupted run, and those on 1 and
-4 ranks as plain adam's resumes). Then one more 2-rank run of each contender in turn, for
-timing: seconds are medians over both runs' steady updates, so that a machine whose speed
-drifts over the minutes between contenders skews them less. Prints a
-markdown table with ratios to plain Adam, writes it to OUT/results.md with the raw figures
-(OUT/results.json) and a chart (OUT/results.png).
+For each contender: a run on 2 ranks that saves every few updates and goes on (seconds per
+update and per optimizer step at steady state, optimizer state on the largest rank against
+total/N, peak memory, the time each save blocks training, from a clean page cache, and the
+writer's memory rise, checkpoint size), then resumes of the half-way checkpoint on 1, 2 and
+4 ranks (wall time and each rank's memory rise during the load, and whether the resume on 2
+ranks ends with the same parameters as the uninterrupted run, and those on 1 and 4 ranks as
+plain adam's resumes). Then one more 2-rank run of each contender in turn, for timing:
+seconds are medians over both runs' steady updates, so that a machine whose speed drifts
+over the minutes between contenders skews them less.
 
-The three fairseq contenders run the real fairseq-train with a measuring probe
+Then the scaling table (scripts/bench_save.py): save and load time and memory of adam and
+oss_adam (synchronous, and what an asynchronous save blocks) for the bench model and one of
+about 150M parameters, at N = 1, 2 and 4, contenders interleaved, medians over repeats.
+
+Prints markdown tables with ratios to plain Adam, writes them to OUT/results.md with the
+raw figures (OUT/results.json) and a chart (OUT/results.png).
+
+The fairseq contenders run the real fairseq-train with a measuring probe
 (scripts/bench_probe, --user-dir); fairseq has no switch for ZeroRedundancyOptimizer, so it
 runs in a small training loop here, on the same model, data and batches.
 """
@@ -38,15 +45,21 @@ PROBE = os.path.join(ROOT, "scripts", "bench_probe")
 
 SIZES = {
     # vocab ~20k words (the embedding dominates), ~37M parameters
-    "full": dict(vocab=20000, lines=12000, dim=512, ffn=2048, layers=8, tokens=128, max_tokens=1024, updates=16),
-    "quick": dict(vocab=8000, lines=4000, dim=256, ffn=1024, layers=2, tokens=64, max_tokens=512, updates=8),
+    "full": dict(vocab=20000, lines=12000, dim=512, ffn=2048, layers=8, tokens=128, max_tokens=1024, updates=16,
+                 save_every=4),
+    "quick": dict(vocab=8000, lines=4000, dim=256, ffn=1024, layers=2, tokens=64, max_tokens=512, updates=8,
+                  save_every=2),
 }
 FAIRSEQ = {
     "adam": ["--optimizer", "adam"],
     "fairscale OSS": ["--optimizer", "adam", "--zero-sharding", "os"],
     "oss_adam": ["--optimizer", "oss_adam"],
+    "oss_adam async": ["--optimizer", "oss_adam", "--write-checkpoints-asynchronously"],
 }
-CONTENDERS = ["adam", "fairscale OSS", "ZeroRedundancyOptimizer", "oss_adam"]
+CONTENDERS = ["adam", "fairscale OSS", "ZeroRedundancyOptimizer", "oss_adam", "oss_adam async"]
+# the save and load scaling table (scripts/bench_save.py): models, world sizes, contenders
+SCALING = {"full": (["bench", "150M"], [1, 2, 4], 3), "quick": (["bench"], [1, 2], 2)}
+SCALING_CONTENDERS = ("adam", "oss parallel", "oss async")
 
 
 def model_args(size, data):
@@ -100,9 +113,10 @@ def bench_fairseq(name, size, data, work, baseline=None):
     half, full = size["updates"] // 2, size["updates"]
     run_dir = os.path.join(work, "train")
     ranks, _ = fairseq_run(args, run_dir, 2, full, os.path.join(work, "probe-train"),
-                           extra=["--save-interval-updates", str(half)])
+                           extra=["--save-interval-updates", str(size["save_every"])])
     mid = os.path.join(run_dir, f"checkpoint_1_{half}.pt")
     out = train_figures(ranks, os.path.getsize(mid))
+    out["checkpoint_sha256"] = sha256(mid)
     out["resume"] = {}
     for ws in (1, 2, 4):
         d = os.path.join(work, f"resume{ws}")
@@ -136,15 +150,27 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
+def sha256(path):
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def train_figures(ranks, ckpt_bytes):
-    save = ranks[0]["saves"][0]
+    """A save blocks training until the last rank is back: per save, the max over ranks."""
+    saves = [max(r["saves"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["saves"]))]
     return {
         "update_samples": steady(ranks[0]["update_seconds"]),
         "step_samples": steady(ranks[0]["step_seconds"]),
         "state_bytes": [r["state_bytes"] for r in ranks],
         "peak_rss": [r["peak_rss"] for r in ranks],
-        "save_seconds": max(r["saves"][0]["seconds"] for r in ranks),
-        "save_writer_rise": save["rise"],
+        "save_samples": saves,
+        "save_seconds": median(saves),
+        "save_writer_rise": max(s["rise"] for s in ranks[0]["saves"]),
         "checkpoint_bytes": ckpt_bytes,
     }
 
@@ -211,11 +237,14 @@ def _zero_worker(rank, world_size, port, size, data, plan, out_dir):
         if update == start:
             record["state_bytes"] = sum(v.numel() * v.element_size() for s in opt.optim.state.values()
                                         for v in s.values() if torch.is_tensor(v))
-        if plan.get("save_at") == update + 1:
+        if plan.get("save_every") and (update + 1) % plan["save_every"] == 0:
+            os.sync()  # a clean page cache, as for the fairseq contenders (scripts/bench_probe)
+            dist.barrier()
+            path = plan["save"] if update + 1 == plan["save_at"] else plan["save"] + ".other"
             with Peak() as p:
                 opt.consolidate_state_dict(to=0)
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, plan["save"])
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
                 dist.barrier()
             record["saves"].append({"seconds": p.seconds, "rise": p.rise})
     if rank == 0 and plan.get("final"):
@@ -260,8 +289,8 @@ def timing_round(name, size, data, work):
 def bench_zero(size, data, work):
     half, full = size["updates"] // 2, size["updates"]
     mid, final = os.path.join(work, "mid.pt"), os.path.join(work, "final.pt")
-    ranks, _ = zero_run(size, data, 2, {"start": 0, "end": full, "save_at": half, "save": mid, "final": final},
-                        os.path.join(work, "probe-train"))
+    ranks, _ = zero_run(size, data, 2, {"start": 0, "end": full, "save_at": half, "save": mid, "final": final,
+                                        "save_every": size["save_every"]}, os.path.join(work, "probe-train"))
     out = train_figures(ranks, os.path.getsize(mid))
     out["resume"] = {}
     for ws in (1, 2, 4):
@@ -292,7 +321,7 @@ def report(results, size, machine):
     base = results["adam"]
     rows = []
     head = ["contender", "s/update (N=2)", "optimizer step s (N=2)", "state on largest rank / (total/N), N=2", "same, N=4",
-            "peak RSS MB (max rank)", "save s", "writer rise MB (save)", "checkpoint MB",
+            "peak RSS MB (max rank)", "save: training blocked s", "writer rise MB (save)", "checkpoint MB",
             "resume N=1: s / max rise MB", "N=2", "N=4", "resumed = uninterrupted (N=2)",
             "resumed at N=1, 4 = adam resumed so"]
     total = base["state_bytes"][0]  # plain adam replicates: every rank holds all of it
@@ -327,7 +356,7 @@ def report(results, size, machine):
                 cell += " (optimizer state not loaded)"
             cells.append(cell)
         cells.append("yes" if res.get(2, {}).get("continues") else "no")
-        if name == "adam" or name == "ZeroRedundancyOptimizer":
+        if name in ("adam", "ZeroRedundancyOptimizer"):
             cells.append("(baseline)" if name == "adam" else "n/a (AdamW)")
         else:
             same = [res[ws].get("same_as_adam") for ws in (1, 4)]
@@ -336,7 +365,16 @@ def report(results, size, machine):
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(c) + " |" for c in rows]
     params = total / 8  # two fp32 tensors per parameter
+    saves = len(base["save_samples"])
     notes = [
+        f"Saves: every {size['save_every']} updates ({saves} per run); each from a clean page cache (`sync` and a "
+        "barrier before it, outside the timed window), timed from there until the last rank is back in training "
+        "(the max over ranks); the median over the run's saves. adam, fairscale OSS and ZeroRedundancyOptimizer: "
+        "rank 0's `torch.save` without fsync (the file may still be in the page cache when training resumes); "
+        "oss_adam: every rank writes its shards of the Adam state and 1/N of the weights, fsync'd and renamed into "
+        "place; oss_adam async: `--write-checkpoints-asynchronously`, the time the snapshot blocks training (the "
+        "writing goes on in the background, during the next updates). Contenders run one after the other, minutes "
+        "apart: the interleaved comparison of saves is the scaling table below.",
         f"Model: transformer_lm, {size['layers']} layers, dim {size['dim']}, vocabulary {size['vocab']}, "
         f"{params / 1e6:.1f}M parameters (Adam state {total / MB:.0f} MB); {size['updates']} updates, "
         f"checkpoint after {size['updates'] // 2}; {machine}.",
@@ -346,6 +384,57 @@ def report(results, size, machine):
         "interrupted, bit for bit; at 1 and 4 ranks fairseq's data order differs, so the parameters are compared "
         "with plain adam's resume from its own checkpoint at the same world size (ZeroRedundancyOptimizer runs AdamW: "
         "not comparable).",
+    ]
+    sync, background = results.get("oss_adam"), results.get("oss_adam async")
+    if sync and background:
+        same = sync["checkpoint_sha256"] == background["checkpoint_sha256"]
+        notes.append(f"oss_adam async's half-way checkpoint is byte-identical to oss_adam's: {'yes' if same else 'NO'}.")
+    return "\n".join(lines), notes
+
+
+def bench_scaling(quick):
+    """Save and load, adam against oss_adam, as the model and N grow (scripts/bench_save.py:
+    in-process ranks, the contenders interleaved, medians over repeats)."""
+    import bench_save
+
+    models, world_sizes, repeats = SCALING["quick" if quick else "full"]
+    rows = []
+    for model in models:
+        for ws in world_sizes:
+            print(f"bench: scaling, {model} model, N={ws} ...", flush=True)
+            r = bench_save.measure(bench_save.MODELS[model], ws, repeats, SCALING_CONTENDERS)
+            rows.append({"model": model, "world_size": ws, **r})
+    return rows
+
+
+def scaling_report(rows):
+    head = ["model", "N", "file MB", "adam save s", "oss_adam save s", "oss_adam async: blocked s",
+            "save rise MB: adam / oss / async", "adam load s / rise MB", "oss_adam load s / rise MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        t = {c: median(v) for c, v in r["save_seconds"].items()}
+        rise = {c: max(v) / MB for c, v in r["save_rise"].items()}
+        loads = {k: (median([x[0] for x in v]), max(x[1] for x in v) / MB) for k, v in r["loads"].items()}
+        base = t["adam"]
+        lines.append("| " + " | ".join([
+            f"{r['model']} ({r['params'] / 1e6:.0f}M)", str(r["world_size"]),
+            f"{r['sizes']['oss parallel'] / MB:.0f}",
+            f"{base:.2f}", fmt_ratio(t["oss parallel"], base), fmt_ratio(t["oss async"], base),
+            f"{rise['adam']:.0f} / {rise['oss parallel']:.0f} / {rise['oss async']:.0f}",
+            f"{loads['adam'][0]:.2f} / {loads['adam'][1]:.0f}", f"{loads['oss'][0]:.2f} / {loads['oss'][1]:.0f}",
+        ]) + " |")
+    notes = [
+        "Scaling (scripts/bench_save.py): a transformer_lm-shaped model (tied embedding, 20k vocabulary; the bench "
+        "model, and 12 layers of dim 1024, ffn 3072) with one Adam step taken; ranks are processes of one machine "
+        "(gloo). Contenders interleaved (adam, oss_adam, async, adam, ...), medians over the repeats. Saves from a "
+        "clean page cache (`sync` before each, outside the window), timed from a barrier to the last rank's "
+        "return (max over ranks). adam: rank 0's `torch.save` of the model and the full Adam state, tmp + rename, "
+        "no fsync. oss_adam: every rank writes its shards and 1/N of the weights (N=1: the one rank writes all), "
+        "CRCs, fsync, rename. async: the blocking snapshot only. Rises: the largest rise of any rank's resident "
+        "memory during the save (async: its snapshot, whose buffers are kept for the next save) or the load. "
+        "Loads from the page cache (the files were just written): adam, every rank `torch.load`s the whole file "
+        "and loads the model; oss_adam, every rank maps the file, loads the model and reads its own slices of the "
+        "state.",
     ]
     return "\n".join(lines), notes
 
@@ -367,7 +456,7 @@ def chart(results, path):
          [max(results[n]["resume"][4].get("load_rise", [0])) / MB for n in names]),
     ]
     for ax, (title, values) in zip(axes, panels):
-        ax.bar(range(len(names)), values, color=["#888", "#c84", "#48c", "#4a4"][: len(names)])
+        ax.bar(range(len(names)), values, color=["#888", "#c84", "#48c", "#4a4", "#8c8"][: len(names)])
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=20, fontsize=8)
         ax.set_title(title, fontsize=9)
@@ -380,6 +469,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a smaller model and fewer updates (under 5 minutes)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-results"))
     ap.add_argument("--only", nargs="*", choices=CONTENDERS, help="run these contenders only")
+    ap.add_argument("--no-scaling", action="store_true", help="skip the save and load scaling table")
     args = ap.parse_args(argv)
     size = SIZES["quick" if args.quick else "full"]
     names = args.only or CONTENDERS
@@ -417,10 +507,14 @@ def main(argv=None):
             r["step_seconds"] = median(r["step_samples"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    scaling = [] if args.no_scaling else bench_scaling(args.quick)
     machine = f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}, gloo"
     table, notes = report(results, size, machine)
     stamp = time.strftime("%Y-%m-%d")
     text = f"Measured {stamp} ({'quick' if args.quick else 'full'} run, {time.time() - t0:.0f} s).\n\n{table}\n\n" + "\n".join(notes) + "\n"
+    if scaling:
+        stable, snotes = scaling_report(scaling)
+        text += "\n## Saves and loads as the model and N grow\n\n" + stable + "\n\n" + "\n".join(snotes) + "\n"
     print()
     print(text)
     os.makedirs(args.out, exist_ok=True)
@@ -430,7 +524,8 @@ def main(argv=None):
         for entry in r["resume"].values():
             entry.pop("final", None)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"size": size, "machine": machine, "date": stamp, "results": results}, f, indent=1)
+        json.dump({"size": size, "machine": machine, "date": stamp, "results": results, "scaling": scaling}, f,
+                  indent=1)
     try:
         chart(results, os.path.join(args.out, "results.png"))
     except ImportError:

@@ -68,17 +68,23 @@ def test_record_crc_is_combined_from_chunk_crcs(sizes):
 
 
 def save_job(rank, world_size, path, bucket_bytes, steps=10, parallel=False):
+    """Saves as fairseq-train does: the state and the model's weights written in one pass
+    (every rank its part where ``parallel``), then rank 0 pickles the rest."""
     from fairseq_oss.checkpoint_format import CheckpointWriter
+    from fairseq_oss.model_weights import ModelWeights, with_placeholders
 
     model, opt, ref, ref_opt = build(bucket_bytes)
     run_steps(model, opt, 1, steps)
     run_steps(ref, ref_opt, 1, steps)
     writer = CheckpointWriter(os.path.dirname(path)) if rank == 0 else None
-    opt.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True, parallel=parallel)
+    weights = ModelWeights.of(model.state_dict())
+    opt.consolidate_state_dict(recipient_rank=0, writer=writer, stream=True, parallel=parallel, weights=weights)
     if rank == 0:
-        writer.finish({"model": model.state_dict(), "last_optimizer_state": opt.state_dict(),
-                       "ref_optimizer": ref_opt.state_dict(), "ref_model": ref.state_dict()}, path)
-        return writer.reserved_records  # > 0: the ranks wrote their parts themselves
+        obj = {"model": weights.shell(model.state_dict()), "last_optimizer_state": opt.state_dict(),
+               "ref_optimizer": ref_opt.state_dict(), "ref_model": ref.state_dict()}
+        writer.finish(with_placeholders(obj, weights), path)
+        # the ranks wrote their parts themselves: every state and weight record was reserved
+        return writer.reserved_records, len(opt.partition.segments()) * 2 + len(weights.records)
     return None
 
 
@@ -123,8 +129,8 @@ def test_every_rank_writing_its_part_gives_the_same_bytes(saved, tmp_path, world
     """Each rank writes its own shard into the one file (shared file system): the file
     is byte-identical to the streamed ones, whatever the world size."""
     path = str(tmp_path / "parallel.pt")
-    reserved = run_ranks(world_size, save_job, path, SMALL_BUCKET, 10, True)[0]
-    assert reserved > 0
+    reserved, records = run_ranks(world_size, save_job, path, SMALL_BUCKET, 10, True)[0]
+    assert reserved == records
     assert open(path, "rb").read() == open(saved[1], "rb").read()
     assert os.listdir(tmp_path) == ["parallel.pt"]
 
@@ -147,6 +153,7 @@ def _save_with_one_rank_blind(rank, world_size, path, bucket_bytes, blind_rank):
         parallel_write._read_token = blind
     try:
         reserved = save_job(rank, world_size, path, bucket_bytes, 10, True)
+        reserved = reserved and reserved[0]
     finally:
         parallel_write._read_token = real
         parallel_write.logger.removeHandler(handler)
@@ -160,7 +167,7 @@ def test_a_rank_that_cannot_see_the_file_makes_rank0_write_alone(saved, tmp_path
     reserved, logs = run_ranks(world_size, _save_with_one_rank_blind, path, SMALL_BUCKET, blind)[0]
     assert reserved == 0  # rank 0 gathered and wrote it all
     assert open(path, "rb").read() == open(saved[1], "rb").read()
-    assert any(f"rank {blind} on" in m and "cannot open it" in m and "rank 0 gathers and writes" in m
+    assert any(f"rank {blind} on" in m and "cannot open it" in m and "rank 0 writes the weights" in m
                for m in logs)
 
 

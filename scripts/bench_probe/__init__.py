@@ -3,7 +3,9 @@
 Records, on every rank, into $BENCH_PROBE_OUT/rank{R}.json when the process exits:
 seconds of each update and of its optimizer step, optimizer-state bytes held by this rank, peak resident memory,
 and for each checkpoint save and load its wall time and the rise of this process's
-resident memory above where it was when the save or load began (sampled every ms).
+resident memory above where it was when the save or load began (sampled every ms). A
+save is timed from a clean page cache (``sync`` and a barrier of all ranks before it,
+outside the timed window) to this rank's return to training.
 Changes nothing in what fairseq computes; builds one throwaway optimizer at start-up
 (see below).
 """
@@ -76,6 +78,11 @@ def load_checkpoint(self, *args, **kwargs):
 
 
 def save_checkpoint(cfg, trainer, *args, **kwargs):
+    # From a clean page cache: the previous save's writeback is done (as between real
+    # saves minutes apart), and every rank starts the save together.
+    os.sync()
+    if dist.is_initialized():
+        dist.barrier()
     with Peak() as p:
         out = _save(cfg, trainer, *args, **kwargs)
     RECORD["saves"].append({"seconds": p.seconds, "rise": p.rise, "updates": trainer.get_num_updates()})

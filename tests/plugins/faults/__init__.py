@@ -4,9 +4,12 @@ Driven by environment variables, so the same plugin serves every test:
 - FAULT_CRASH_RANK=R, FAULT_CRASH_CALL=K: criterion ``faulty_cross_entropy`` raises on
   rank R at its K-th forward (fairseq then takes its crash.pt path on that rank only),
   after creating the file ``fault-injected-on-rank-R`` in FAULT_MARKER_DIR if that is set;
-- FAULT_KILL_SAVE=N: the process writing the N-th checkpoint kills itself (SIGKILL) in the
-  middle of writing a tensor record (in the background with asynchronous saves);
-- FAULT_FAIL_SAVE=N: writing a tensor record of the N-th checkpoint fails with ENOSPC.
+- FAULT_KILL_SAVE=N: rank 0 kills itself (SIGKILL) in the middle of writing the tensor
+  records of the N-th checkpoint (in the background with asynchronous saves);
+- FAULT_FAIL_SAVE=N: rank 0's writing of a tensor record of the N-th checkpoint fails
+  with ENOSPC;
+- FAULT_UNWRITABLE_SAVE=N: rank 0 cannot create the N-th checkpoint's file (EACCES, as in
+  a directory it may not write to; root, as the tests may run, ignores permissions).
 """
 import os
 import signal
@@ -15,7 +18,7 @@ import torch.distributed as dist
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
-from fairseq_oss import checkpoint_format
+from fairseq_oss import checkpoint_format, parallel_write
 
 
 @register_criterion("faulty_cross_entropy", dataclass=CrossEntropyCriterionConfig)
@@ -40,21 +43,39 @@ class FaultyCrossEntropy(CrossEntropyCriterion):
 
 _KILL_AT = int(os.environ.get("FAULT_KILL_SAVE", 0))
 _FAIL_AT = int(os.environ.get("FAULT_FAIL_SAVE", 0))
-if _KILL_AT or _FAIL_AT:
-    _writers = [0]
+_DENY_AT = int(os.environ.get("FAULT_UNWRITABLE_SAVE", 0))
+if _KILL_AT or _FAIL_AT or _DENY_AT:
+    _writers = [0]  # checkpoints begun by this process (rank 0: the one that creates the files)
     _init = checkpoint_format.CheckpointWriter.__init__
     _write = checkpoint_format._RecordStream.write
+    _pwrite_all = parallel_write._pwrite_all
 
     def counting_init(self, *args, **kwargs):
         _writers[0] += 1
+        if _DENY_AT and _writers[0] == _DENY_AT:
+            raise PermissionError(13, "Permission denied (injected)", args[0] if args else "")
         _init(self, *args, **kwargs)
 
-    def killing_write(self, data):
-        if _writers[0] == _FAIL_AT and self.name.startswith("data/"):
+    def _before_tensor_bytes():
+        if _FAIL_AT and _writers[0] == _FAIL_AT:
             raise OSError(28, "No space left on device (injected)")
-        _write(self, data)
-        if _writers[0] == _KILL_AT and self.name.startswith("data/"):
+
+    def _after_tensor_bytes():
+        if _KILL_AT and _writers[0] == _KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def killing_write(self, data):  # rank 0 streaming a record
+        if self.name.startswith("data/"):
+            _before_tensor_bytes()
+        _write(self, data)
+        if self.name.startswith("data/"):
+            _after_tensor_bytes()
+
+    def killing_pwrite(fd, data, offset):  # a rank writing its part of a record (parallel saves)
+        _before_tensor_bytes()
+        _pwrite_all(fd, data, offset)
+        _after_tensor_bytes()
 
     checkpoint_format.CheckpointWriter.__init__ = counting_init
     checkpoint_format._RecordStream.write = killing_write
+    parallel_write._pwrite_all = killing_pwrite
