@@ -29,6 +29,7 @@ Usage: python scripts/bench_save.py [--model bench 150M] [--world-size 2] [--rep
 """
 import argparse
 import os
+import queue
 import socket
 import statistics
 import tempfile
@@ -144,7 +145,8 @@ def _worker(rank, world_size, port, shape, repeats, directory, contenders, out):
                     module.load_state_dict(ckpt["model"])
                     opt.load_from_checkpoint(paths[contender])
                 del ckpt
-                loads[kind].append((time.perf_counter() - t0, m.rise))
+                seconds = time.perf_counter() - t0
+            loads[kind].append((seconds, m.rise))
             dist.barrier()
     sizes = {c: os.path.getsize(p) for c, p in paths.items()} if rank == 0 else None
     out.put((rank, times, rises, loads, sizes, sum(p.numel() for p in params)))
@@ -165,7 +167,16 @@ def measure(shape, world_size, repeats, contenders=CONTENDERS, directory=None):
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        results = [out.get() for _ in procs]
+        results = []
+        while len(results) < world_size:
+            try:
+                results.append(out.get(timeout=5))
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"a rank of the measurement failed (exit codes {failed}): see its traceback")
         for p in procs:
             p.join()
     by_rank = sorted(results, key=lambda r: r[0])
@@ -184,16 +195,18 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
-    print(f"world size {args.world_size}, medians of {args.repeats} (min-max), seconds training is blocked")
-    print(f"{'params':>8} {'file':>9} " + " ".join(f"{c:>20}" for c in CONTENDERS))
+    print(f"world size {args.world_size}, seconds training is blocked: medians of {args.repeats} (min-max), "
+          "and the median over rounds of the ratio to adam's save of the same round")
+    print(f"{'params':>8} {'file':>9} " + " ".join(f"{c:>26}" for c in CONTENDERS))
     for name in args.model:
         r = measure(MODELS[name], args.world_size, args.repeats, directory=args.dir)
         cells = []
         for c in CONTENDERS:
             t = r["save_seconds"][c]
-            cells.append(f"{statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f})")
+            ratio = statistics.median([x / a for x, a in zip(t, r["save_seconds"]["adam"])])
+            cells.append(f"{statistics.median(t):5.2f} ({min(t):.2f}-{max(t):.2f}) {ratio:.2f}x")
         size = r["sizes"]["oss parallel"]
-        print(f"{r['params'] / 1e6:>7.0f}M {size / 2**20:>7.0f}Mi " + " ".join(f"{c:>20}" for c in cells))
+        print(f"{r['params'] / 1e6:>7.0f}M {size / 2**20:>7.0f}Mi " + " ".join(f"{c:>26}" for c in cells))
 
 
 if __name__ == "__main__":

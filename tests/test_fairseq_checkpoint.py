@@ -48,6 +48,15 @@ def saved(data, tmp_path_factory):
     return out
 
 
+def test_every_rank_writes_its_part_of_the_state_and_the_weights(saved):
+    """fairseq-train's saves take the parallel path for the Adam state and the model's
+    weights: rank 0 neither falls back to writing them alone nor writes the model again
+    (which it would log, with why)."""
+    log = open(os.path.join(saved["oss_adam"], "train-spawn-2.log")).read()
+    assert "oss_adam: the checkpoint save took" in log
+    assert "rank 0 writes the weights" not in log and "written again by rank 0" not in log
+
+
 def resumed(data, src, tmp, optimizer, world_size, name):
     d = str(tmp / name)
     shutil.copytree(src, d)
@@ -318,6 +327,7 @@ def test_asynchronous_save_resumes_as_a_synchronous_one(data, saved, tmp_path):
     d = str(tmp_path / "async")
     log = train(data, d, "oss_adam", 2, FIRST, extra=ASYNC)
     assert "blocked training for" in log and "asynchronous save of" in log
+    assert "rank 0 writes the weights" not in log and "written again by rank 0" not in log
     assert_same_training_state(ckpt(d), ckpt(saved["oss_adam"]))
     sync = str(tmp_path / "sync")
     shutil.copytree(saved["oss_adam"], sync)
