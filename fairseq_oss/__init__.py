@@ -15,7 +15,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _TRIGGER = "fairseq"
 
