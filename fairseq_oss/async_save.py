@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -157,6 +157,7 @@ class BackgroundSave:
         self._copies_closed = threading.Event()
         self._obj = self._path = None
         self._copies: List[str] = []
+        self._after_commit: List[Callable[[], None]] = []
         self.path: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="fairseq-oss-async-save", daemon=False)
         # Rank 0's job starts once it has the whole checkpoint: while rank 0 copies the
@@ -184,6 +185,11 @@ class BackgroundSave:
     def add_copy(self, dst: str) -> None:
         self._copies.append(dst)
 
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the job once the checkpoint and its copies are in place (not if
+        the save fails): what fairseq does right after a synchronous save (pruning)."""
+        self._after_commit.append(fn)
+
     def close_copies(self) -> None:
         """fairseq asked for every copy it wants of this save; also lets a job whose
         checkpoint never came (a save that raised before) end."""
@@ -203,8 +209,10 @@ class BackgroundSave:
             if self.writer is None:
                 return
             self._handoff.wait()
-            if self._obj is None:
-                raise CheckpointError("the save was abandoned before its checkpoint was handed over")
+            if self._obj is None:  # fairseq saved no file this time, or its save raised
+                self.writer.abort()
+                logger.info("oss_adam: no checkpoint was handed over to this save; its temporary file is removed")
+                return
             state = {
                 i: {"step": steps[i], "exp_avg": t["exp_avg"], "exp_avg_sq": t["exp_avg_sq"]}
                 for i, t in sorted(placeholders.items())
@@ -216,6 +224,8 @@ class BackgroundSave:
             self._copies_closed.wait()
             for dst in self._copies:
                 clone_or_copy(self._path, dst)
+            for fn in self._after_commit:
+                fn()
             logger.info(
                 "oss_adam: asynchronous save of %s complete (%.2f s in the background%s)", self._path,
                 time.perf_counter() - self.started, f", copies: {', '.join(self._copies)}" if self._copies else "",

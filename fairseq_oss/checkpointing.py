@@ -66,7 +66,7 @@ from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
 
 from fairseq_oss import compat  # noqa: F401 - its launch fixes first: call_main is wrapped over them
-from fairseq_oss import async_save, collectives, model_weights, safe_load
+from fairseq_oss import async_save, collectives, model_weights, pruning, safe_load
 from fairseq_oss.checkpoint_format import (
     CheckpointError,
     CheckpointReader,
@@ -277,11 +277,27 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     # copies (its own asynchronous mode skips them) and hand the checkpoint over as for a
     # synchronous save.
     requested, cfg.write_checkpoints_asynchronously = cfg.write_checkpoints_asynchronously, False
+    # fairseq prunes old checkpoints (--keep-*) right after the save; asynchronously the new
+    # file has no final name yet then, so pruning waits for the job's commit.
+    rules = pruning.KeepRules.of(cfg, trainer.checkpoint_suffix, epoch_itr.end_of_epoch())
+    keep = {k: getattr(cfg, k) for k in pruning.KEEP_FLAGS}
+    if background:
+        for k in keep:
+            setattr(cfg, k, 0)
     _STATE.async_save = background
+    job = None
     try:
         result = _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+        job = async_save.current()
+        if background and rules.prunes and trainer.should_save_checkpoint_on_current_rank and not cfg.no_save:
+            if job is not None and job.path is not None:
+                job.after_commit(functools.partial(pruning.prune, rules))
+            else:  # no file handed over this time: every earlier one is committed
+                pruning.prune(rules)
     finally:
         cfg.write_checkpoints_asynchronously = requested
+        for k, v in keep.items():
+            setattr(cfg, k, v)
         _STATE.async_save = False
         job = async_save.current()
         if job is not None:

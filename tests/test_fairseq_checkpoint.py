@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from checks import assert_same_training_state, load
-from test_fairseq_train import BIN, COMMON, ENV, FIRST, RESUMED, WITHOUT_HOOK, ckpt, free_port, train
+from test_fairseq_train import BIN, COMMON, ENV, ROOT, FIRST, RESUMED, WITHOUT_HOOK, ckpt, free_port, train
 
 PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "faults")
 
@@ -396,3 +396,32 @@ def test_a_save_directory_rank0_cannot_write_to_stops_every_rank(data, tmp_path,
     assert not os.path.exists(os.path.join(d, "checkpoint_1_4.pt"))
     assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 2
     assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+
+
+@pytest.fixture(scope="module")
+def short_epochs(tmp_path_factory):
+    """A corpus of a few updates per epoch at 2 ranks, so that a short run crosses epochs."""
+    out = str(tmp_path_factory.mktemp("short-epochs"))
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_corpus.py"), out, "--vocab", "300", "--train-lines", "120", "--valid-lines", "20"],
+                   check=True, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return os.path.join(out, "bin")
+
+
+def test_keep_flags_keep_the_same_files_with_asynchronous_saves(short_epochs, tmp_path):
+    """--keep-interval-updates, --keep-last-epochs and --keep-best-checkpoints leave the same
+    checkpoints on disk with --write-checkpoints-asynchronously as without it: pruning
+    waits for the background save's commit (the newest file counts), and the last save
+    prunes too."""
+    keep = ["--save-interval-updates", "2", "--keep-interval-updates", "2", "--keep-last-epochs", "1",
+            "--max-epoch", "3"]
+    listings = {}
+    for mode, extra in (("sync", []), ("async", ASYNC)):
+        d = str(tmp_path / mode)
+        cmd = [c for c in train_cmd(short_epochs, d, "oss_adam", 2, 1000, *keep, *extra)
+               if c != "--no-epoch-checkpoints"]
+        rc, out = attempt(cmd, timeout=300)
+        assert rc == 0, out[-3000:]
+        listings[mode] = sorted(n for n in os.listdir(d) if n.endswith(".pt"))
+    assert "checkpoint3.pt" in listings["sync"] and "checkpoint2.pt" not in listings["sync"]
+    assert len([n for n in listings["sync"] if n.count("_") == 2]) == 2, listings["sync"]
+    assert listings["async"] == listings["sync"]
