@@ -394,6 +394,7 @@ class CheckpointReader:
             if self.manifest.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: unknown fairseq-oss format {self.manifest.get('format')!r}")
         self._verified = set()
+        self._zip_crcs: Optional[Dict[str, int]] = None
 
     def record_offset(self, name: str) -> int:
         return self._zip.get_record_offset(name)
@@ -463,6 +464,34 @@ class CheckpointReader:
                     if n != hi - pos:
                         raise CheckpointError(f"{self.path}: record {name} is truncated")
                 pos = hi
+
+    def zip_crc(self, name: str) -> int:
+        """The zip's own CRC32 of record ``name`` (``data.pkl``, ``data/KEY``), which every
+        zip checkpoint has (``torch.save``'s too)."""
+        if self._zip_crcs is None:
+            try:
+                with zipfile.ZipFile(self.path) as z:
+                    self._zip_crcs = {i.filename.split("/", 1)[-1]: i.CRC for i in z.infolist()}
+            except (zipfile.BadZipFile, OSError) as e:
+                raise CheckpointError(f"{self.path}: not a readable checkpoint ({e})") from None
+        crc = self._zip_crcs.get(name)
+        if crc is None:
+            raise CheckpointError(f"{self.path}: record {name} is missing from the zip's directory")
+        return crc
+
+    def check_zip_crc(self, name: str, crc: int, what: str = "") -> None:
+        """Raise unless ``crc`` (of the bytes read from record ``name``, all of them) is the
+        zip's CRC32 of that record; ``what`` names what the record holds."""
+        if crc != self.zip_crc(name):
+            raise CheckpointError(f"{self.path}: zip CRC32 mismatch in record {name}{what} (the file is corrupted)")
+
+    def verify_bytes(self, name: str, data: bytes) -> None:
+        """Check ``data``, the whole of record ``name`` as read: against the manifest's
+        chunk CRCs where the file has one, else against the zip's CRC32."""
+        if self.manifest is not None:
+            self.verify(name)
+        else:
+            self.check_zip_crc(name, zlib.crc32(data))
 
     def verify_all_except(self, skip) -> None:
         """Verify every record listed in the manifest but those in ``skip``."""

@@ -55,7 +55,8 @@ class CheckpointIndex:
 
     Raises:
         CheckpointError: the path is missing, a directory, not a zip checkpoint (torch's
-            legacy format included), truncated, or holds a type that a safe load refuses.
+            legacy format included), truncated, its pickle does not match its checksum, or
+            it holds a type that a safe load refuses.
     """
 
     def __init__(self, path: str):
@@ -79,7 +80,9 @@ class CheckpointIndex:
         self.manifest: Optional[Dict] = self.reader.manifest
         self.records: Dict[str, Record] = {}
         self._by_storage: Dict[int, Record] = {}
-        self.obj = self._unpickle(bytes(self._zip.get_record("data.pkl")))
+        pickled = bytes(self._zip.get_record("data.pkl"))
+        self.reader.verify_bytes("data.pkl", pickled)  # nothing is read from a damaged pickle
+        self.obj = self._unpickle(pickled)
 
     def _unpickle(self, data: bytes):
         safe_load.allow_fairseq_types()
@@ -89,7 +92,10 @@ class CheckpointIndex:
             return unpickler.load()
         except Exception as e:  # noqa: BLE001
             refused = safe_load.refusal(self.path, e) if not safe_load.trusted() else None
-            raise CheckpointError(refused or f"{self.path}: its pickle cannot be read ({_first_line(e)})") from None
+            detail = _first_line(e)
+            detail = f" ({detail})" if any(c.isalpha() for c in detail) else ""  # not a bare memo number
+            raise CheckpointError(refused or f"{self.path}: its pickle (record data.pkl) cannot be read{detail}: "
+                                  "the file is damaged, or was not written by torch.save") from None
 
     def _storage(self, saved_id):
         _, storage_type, key, _location, numel = saved_id
@@ -121,6 +127,15 @@ class CheckpointIndex:
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
                 yield from self.tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+    def records_of(self, obj) -> Dict[str, Record]:
+        """The records that hold the values of ``obj``'s tensors, each once: tensors that
+        share a storage (tied embeddings) share a record, as the file stores them."""
+        out: Dict[str, Record] = {}
+        for _, t in self.tensors(obj):
+            record = self.place(t).record
+            out.setdefault(record.name, record)
+        return out
 
     def tensors_in(self, record: str, start: int, end: int):
         """Paths of the tensors whose values touch bytes ``[start, end)`` of ``record``."""

@@ -66,7 +66,7 @@ from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
 
 from fairseq_oss import compat  # noqa: F401 - its launch fixes first: call_main is wrapped over them
-from fairseq_oss import async_save, collectives, model_weights, pruning, safe_load
+from fairseq_oss import async_save, collectives, model_weights, optimizer, pruning, safe_load
 from fairseq_oss.checkpoint_format import (
     CheckpointError,
     CheckpointReader,
@@ -319,7 +319,11 @@ def call_main(cfg, main, **kwargs):
     """fairseq's launcher (fairseq-train, fairseq-hydra-train), with oss_adam taking over
     ``--write-checkpoints-asynchronously``: fairseq's own mode needs iopath (without it,
     fairseq-train returns at once, having trained nothing), skips the copies and does not
-    wait for the last save. Each rank runs :func:`train_with_async_saves`."""
+    wait for the last save. Each rank runs :func:`train_with_async_saves`. A configuration
+    that oss_adam refuses (:func:`fairseq_oss.optimizer.refusal`) exits here, in one line."""
+    problem = optimizer.refusal(cfg)
+    if problem is not None:  # before any rank is spawned, model built or data read
+        sys.exit(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {problem}")
     ckpt = cfg.checkpoint
     if OmegaConf.select(cfg, "optimizer._name") == "oss_adam" and ckpt.write_checkpoints_asynchronously:
         ckpt.write_checkpoints_asynchronously = False

@@ -62,16 +62,18 @@ class TemporaryFile:
     releases the lock with it, which is how :func:`remove_stale_temporaries` knows.
 
     Raises:
-        OSError: when the directory is not writable (or the file system refuses locks:
-            ENOLCK), as ``open`` would.
+        OSError: naming ``directory``, when it is missing or not writable (or the file
+            system refuses locks: ENOLCK). It is never created here.
     """
 
     def __init__(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
         while True:
             path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}{SUFFIX}")
             # 0o666 less the process's umask (the kernel applies it), as open() would
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            except OSError as e:  # said of the directory: the temporary's name means nothing to a user
+                raise type(e)(e.errno, e.strerror, directory) from None
             # A cleaner may have locked (and removed) it between our create and our lock:
             # keep it only if we hold the lock and the name is still this file.
             if _try_lock(fd) and _same_file(fd, path):

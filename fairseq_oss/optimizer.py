@@ -6,24 +6,25 @@ the knobs below, so every flag of ``--optimizer adam`` works unchanged, with the
 defaults, and switching is changing one word.
 """
 import logging
-import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from fairseq import optim
 from fairseq.distributed import utils as distributed_utils
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
+from omegaconf import OmegaConf
 
-from fairseq_oss import collectives
-from fairseq_oss.sharded_adam import DEFAULT_BUCKET_BYTES, ShardedAdam
+from fairseq_oss import bucket_size, collectives
+from fairseq_oss.sharded_adam import ShardedAdam, TooManyBuckets
 
 logger = logging.getLogger(__name__)
 
 @dataclass
 class FairseqOSSAdamConfig(FairseqAdamConfig):
     oss_bucket_mb: float = field(
-        default=DEFAULT_BUCKET_BYTES / 2**20,
+        default=bucket_size.DEFAULT_BUCKET_MB,
         metadata={
             "help": "size in MiB of one bucket of parameters or optimizer state moved by one "
             "collective (step all-gather, checkpoint consolidation); bounds the extra memory "
@@ -57,21 +58,20 @@ class FairseqOSSAdam(FairseqOptimizer):
             raise NotImplementedError("--fp16-adam-stats is not supported by oss_adam")
         if getattr(cfg, "tpu", False):
             raise NotImplementedError("oss_adam does not support TPUs")
-        bucket_bytes = int(cfg.oss_bucket_mb * 2**20) if math.isfinite(cfg.oss_bucket_mb) else 0
-        if bucket_bytes < 1:
-            raise ValueError(
-                f"--oss-bucket-mb must be a finite size of at least one byte "
-                f"({1 / 2**20:.1e} MiB), got {cfg.oss_bucket_mb}"
-            )
         group = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             group = distributed_utils.get_data_parallel_group()
-        self._optimizer = ShardedAdam(
-            params,
-            **self.optimizer_config,
-            process_group=group,
-            bucket_bytes=bucket_bytes,
-        )
+        try:
+            self._optimizer = ShardedAdam(
+                params,
+                **self.optimizer_config,
+                process_group=group,
+                bucket_bytes=bucket_size.bucket_bytes(cfg.oss_bucket_mb, BUCKET_FLAG),
+                max_buckets=bucket_size.MAX_BUCKETS,
+            )
+        except TooManyBuckets as e:
+            bucket_size.check_bucket_count(e.count, e.total_bytes, cfg.oss_bucket_mb, BUCKET_FLAG)
+            raise
         device = next(iter(self._optimizer._params), torch.empty(0)).device
         per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
         logger.info(
@@ -96,6 +96,38 @@ class FairseqOSSAdam(FairseqOptimizer):
 FairseqOSSAdam.__name__ = FairseqOSSAdam.__qualname__ = "FairseqAdam"
 
 
+BUCKET_FLAG = "--oss-bucket-mb"
+_TWICE_SHARDED = (
+    "--optimizer oss_adam already shards Adam's state across the data-parallel ranks; "
+    "--zero-sharding os would shard it a second time. Remove --zero-sharding os "
+    "(or use --optimizer adam with --zero-sharding os)."
+)
+_FSDP = (
+    "--ddp-backend fully_sharded (FSDP) already shards the optimizer state, and oss_adam would "
+    "shard it again over parameters that FSDP has flattened and split: use --optimizer adam with "
+    "--ddp-backend fully_sharded, or oss_adam with another --ddp-backend (pytorch_ddp, the default; "
+    "legacy_ddp; no_c10d)."
+)
+
+
+def refusal(cfg) -> Optional[str]:
+    """Why oss_adam cannot run fairseq's config ``cfg`` (the whole one: its optimizer,
+    distributed training and model settings), in one line; None when it can or when
+    ``cfg`` does not ask for oss_adam. Needs no model, data or process group, so the
+    launcher asks it before the ranks are spawned."""
+    if OmegaConf.select(cfg, "optimizer._name") != "oss_adam":
+        return None
+    try:
+        bucket_size.bucket_bytes(OmegaConf.select(cfg, "optimizer.oss_bucket_mb"), BUCKET_FLAG)
+    except ValueError as e:
+        return str(e)
+    if OmegaConf.select(cfg, "distributed_training.zero_sharding") == "os":
+        return _TWICE_SHARDED
+    if OmegaConf.select(cfg, "distributed_training.ddp_backend") == "fully_sharded":
+        return _FSDP
+    return None
+
+
 def _refusing_zero_sharding(fairseq_shard):
     """fairseq's ``optim.shard_`` (``--zero-sharding os``: fairscale's OSS around the
     optimizer), refusing oss_adam: fairscale would build one oss_adam per rank over
@@ -104,11 +136,7 @@ def _refusing_zero_sharding(fairseq_shard):
 
     def shard_(optimizer, group):
         if isinstance(getattr(optimizer, "optimizer", None), ShardedAdam):
-            raise ValueError(
-                "--optimizer oss_adam already shards Adam's state across the data-parallel "
-                "ranks; --zero-sharding os would shard it a second time. Remove "
-                "--zero-sharding os (or use --optimizer adam with --zero-sharding os)."
-            )
+            raise ValueError(_TWICE_SHARDED)
         return fairseq_shard(optimizer, group)
 
     shard_.refuses_oss_adam = True

@@ -127,6 +127,23 @@ class Partition:
         return out
 
 
+def _full_bucket_numel(world_size: int, bucket_numel: int) -> int:
+    """Full buckets split evenly into shards: the bucket rounded down to a multiple of N."""
+    return max(world_size, bucket_numel // world_size * world_size)
+
+
+def bucket_count(params: Sequence[ParamSpec], world_size: int, bucket_numel: int) -> int:
+    """How many buckets :func:`partition` makes of ``params``, without making them."""
+    full = _full_bucket_numel(world_size, max(1, bucket_numel))
+    count, key, filled = 0, None, 0
+    for spec in params:
+        if (spec.group, spec.kind) != key:
+            count += -(-filled // full)
+            key, filled = (spec.group, spec.kind), 0
+        filled += spec.numel
+    return count + -(-filled // full)
+
+
 def partition(params: Sequence[ParamSpec], world_size: int, bucket_numel: int) -> Partition:
     """Lay ``params`` (in optimizer order) out in buckets and shards; see the module docstring.
 
@@ -138,8 +155,7 @@ def partition(params: Sequence[ParamSpec], world_size: int, bucket_numel: int) -
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
-    # Full buckets split evenly into shards: round the bucket down to a multiple of N.
-    bucket_numel = max(world_size, bucket_numel // world_size * world_size)
+    bucket_numel = _full_bucket_numel(world_size, bucket_numel)
     groups = [p.group for p in params]
     if groups != sorted(groups):
         raise ValueError(f"param groups must be contiguous and in order, got {groups}")

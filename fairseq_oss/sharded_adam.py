@@ -31,7 +31,7 @@ import torch
 from fairseq_oss import collectives, consolidation, save_records, state_loading
 from fairseq_oss.async_save import PENDING_STATE
 from fairseq_oss.checkpoint_format import OptimizerStateFile
-from fairseq_oss.partition import Bucket, ParamSpec, Partition, Piece, partition
+from fairseq_oss.partition import Bucket, ParamSpec, Partition, Piece, bucket_count, partition
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -46,6 +46,14 @@ class _Unavailable:
 
 
 UNAVAILABLE = _Unavailable()
+
+
+class TooManyBuckets(ValueError):
+    """The bucket size cuts the parameters into more buckets than allowed."""
+
+    def __init__(self, count: int, total_bytes: int):
+        super().__init__(f"the bucket size cuts {total_bytes} bytes of parameters into {count} buckets")
+        self.count, self.total_bytes = count, total_bytes
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,10 +76,13 @@ class ShardedAdam(torch.optim.Optimizer):
             buffers) or ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket
             through two gather buffers). ``None``: ``"p2p"`` on gloo, whose all-gather
             stages through temporary buffers of its own, else ``"all_gather"`` (NCCL).
+        max_buckets: refuse a bucket size that makes more buckets than this
+            (:class:`TooManyBuckets`), before anything is allocated; ``None``: no limit.
 
     Raises:
         ValueError: for ``amsgrad=True`` (fairseq never enables it), a sparse or
-            non-contiguous parameter, a non-positive bucket size or an unknown exchange.
+            non-contiguous parameter, a non-positive bucket size or an unknown exchange;
+            :class:`TooManyBuckets` (a ValueError) past ``max_buckets``.
 
     .. warning:: The constructor, :meth:`step` and :meth:`consolidate_state_dict` are
         collective: call them on all ranks of ``process_group``, in the same order.
@@ -101,6 +112,7 @@ class ShardedAdam(torch.optim.Optimizer):
         process_group=None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         exchange: Optional[str] = None,
+        max_buckets: Optional[int] = None,
     ):
         if amsgrad:
             raise ValueError("ShardedAdam does not implement amsgrad")
@@ -128,7 +140,11 @@ class ShardedAdam(torch.optim.Optimizer):
             for p in group["params"]
         ]
         itemsize = max((p.element_size() for p in self._params), default=4)
-        self.partition: Partition = partition(specs, self.world_size, max(1, bucket_bytes // itemsize))
+        bucket_numel = max(1, bucket_bytes // itemsize)
+        count = bucket_count(specs, self.world_size, bucket_numel)
+        if max_buckets is not None and count > max_buckets:
+            raise TooManyBuckets(count, sum(p.numel() * p.element_size() for p in self._params))
+        self.partition: Partition = partition(specs, self.world_size, bucket_numel)
         # Each bucket's pieces as rank r's shard holds them (offsets within the shard): every
         # step walks them, for its own rank's update and for every rank's exchange.
         self._shards: List[List[Tuple[Piece, ...]]] = [

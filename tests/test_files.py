@@ -138,3 +138,12 @@ def test_temporary_gets_the_mode_open_would_give(tmp_path):
         os.umask(old)
     assert os.stat(t.path).st_mode & 0o777 == 0o640
     t.discard()
+
+
+def test_a_temporary_never_creates_its_directory_and_names_it_in_errors(tmp_path):
+    from fairseq_oss.files import TemporaryFile
+
+    missing = str(tmp_path / "no" / "such")
+    with pytest.raises(FileNotFoundError) as e:
+        TemporaryFile(missing)
+    assert e.value.filename == missing and not os.path.exists(tmp_path / "no")

@@ -210,7 +210,7 @@ def test_reshard_plan_matches_the_layout(made):
     state = load(made["oss_adam"])["last_optimizer_state"]["state"]
     full = sum(v["exp_avg"].numel() for v in state.values()) * 4 * 2
     for world_size in (1, 3, 8):
-        p = plan(CheckpointIndex(made["oss_adam"]), world_size, 2**20)
+        p = plan(CheckpointIndex(made["oss_adam"]), world_size, 1.0)
         shares = [r["adam_state_bytes"] for r in p["ranks"]]
         assert sum(shares) == full == p["full_adam_state_bytes"]
         assert max(shares) - min(shares) <= 8 * p["buckets"]  # within one element per bucket per key
@@ -263,3 +263,98 @@ def test_inspect_and_verify_memory_is_bounded(tmp_path):
         for command in ("inspect", "verify"):
             rise = _peak(command, big) - _peak(command, small)
             assert rise < bound, (stock, command, rise / 2**20)
+
+
+def test_strip_refuses_a_corrupted_stock_checkpoint(made, tmp_path):
+    """One flipped bit in a weight of a stock (torch.save) checkpoint: strip exits 1 naming
+    the record and the tensor, as verify does, and writes nothing: no checksum is ever
+    written over bytes that were not verified. A flipped bit in its pickle likewise."""
+    bad = str(tmp_path / "bad.pt")
+    shutil.copyfile(made["adam"], bad)
+    record = _offset_of(bad, "model.decoder.embed_tokens.weight")
+    _flip(bad, record.offset + record.nbytes // 2)
+    out = str(tmp_path / "out" / "model.pt")
+    os.makedirs(os.path.dirname(out))
+    rc, _, err = tool("strip", bad, "-o", out)
+    assert rc == 1, err
+    assert f"{bad}: zip CRC32 mismatch in record {record.name}" in err and "model.decoder.embed_tokens.weight" in err
+    assert os.listdir(os.path.dirname(out)) == []
+
+    pickled = str(tmp_path / "pickle.pt")
+    shutil.copyfile(made["adam"], pickled)
+    from fairseq_oss.checkpoint_format import CheckpointReader
+    offset = CheckpointReader(pickled).record_offset("data.pkl")
+    _flip(pickled, offset + 40)
+    for command in (["strip", pickled, "-o", out], ["inspect", pickled]):
+        rc, _, err = tool(*command)
+        assert rc == 1 and f"{pickled}: zip CRC32 mismatch in record data.pkl" in err, err
+    assert os.listdir(os.path.dirname(out)) == []
+
+
+def test_strip_into_a_missing_directory_creates_nothing(made, tmp_path):
+    out = str(tmp_path / "no" / "such" / "model.pt")
+    rc, _, err = tool("strip", made["oss_adam"], "-o", out)
+    assert rc == 1 and err.strip() == f"fairseq-oss strip: {tmp_path / 'no' / 'such'}: no such directory " \
+                                      "(strip creates no directories)", err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ("nan", "--bucket-mb must be a finite size of at least one byte"),
+    ("inf", "--bucket-mb must be a finite size of at least one byte"),
+    ("0", "--bucket-mb must be a finite size of at least one byte"),
+    ("1e-9", "--bucket-mb must be a finite size of at least one byte"),
+    ("1e-6", "--bucket-mb 1e-06 cuts the "),
+])
+def test_reshard_plan_refuses_unusable_bucket_sizes(made, value, message):
+    """One validation of the bucket size (fairseq_oss.bucket_size) for the optimizer's flag
+    and the tools: a one-line message, never a traceback (tool() asserts none)."""
+    rc, out, err = tool("reshard-plan", made["oss_adam"], "--world-size", "2", "--bucket-mb", value)
+    assert rc == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    if value == "1e-6":
+        assert "buckets; at most 65,536 are allowed" in err and "use --bucket-mb " in err
+
+
+def test_inspect_and_reshard_plan_count_tied_weights_once(tmp_path):
+    """A tied embedding (two names, one storage) is stored once, and counted once."""
+    embed, other = torch.randn(100, 8), torch.randn(8)
+    model = {"decoder.embed_tokens.weight": embed, "decoder.output_projection.weight": embed, "bias": other}
+    state = {i: {"step": 1, "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)} for i, n in enumerate((800, 8))}
+    path = str(tmp_path / "tied.pt")
+    torch.save({"model": model, "optimizer_history": [{"num_updates": 1, "optimizer_name": "FairseqAdam"}],
+                "last_optimizer_state": {"state": state, "param_groups": [{"lr": 1.0, "params": [0, 1]}]}}, path)
+    import json
+
+    rc, out, err = tool("inspect", path, "--json")
+    got = json.loads(out)["model"]
+    assert rc == 0 and got["tensors"] == 3 and got["storages"] == 2
+    assert got["bytes"] == (800 + 8) * 4 and got["parameters"] == 808
+    rc, text, _ = tool("inspect", path)
+    assert "808 values in 3 tensors (2 distinct: 1 share storage), 3.2 KiB" in text, text
+    from fairseq_oss.checkpoint_index import CheckpointIndex
+    from fairseq_oss.tools.reshard_plan import plan
+
+    assert plan(CheckpointIndex(path), 2, 1.0)["ranks"][0]["model_bytes"] == (800 + 8) * 4
+
+
+def test_read_only_commands_do_not_speak_of_writing(tmp_path):
+    for command in ("inspect", "verify", "reshard-plan"):
+        extra = ["--world-size", "2"] if command == "reshard-plan" else []
+        rc, _, err = tool(command, str(tmp_path), *extra)
+        assert rc == 1 and "written" not in err, err
+
+
+def test_every_command_and_argument_is_described():
+    """--help speaks to users: a description for the command and each subcommand, help for
+    every argument, FILE for every checkpoint argument."""
+    from fairseq_oss.tools import _parser
+
+    p = _parser()
+    assert "fairseq checkpoints" in p.description and "``" not in p.description
+    sub = next(a for a in p._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for name, parser in sub.choices.items():
+        assert parser.description and len(parser.description) > 40, name
+        for action in parser._actions:
+            assert action.help, (name, action.dest)
+            if action.dest in ("file", "files"):
+                assert action.metavar == "FILE", name

@@ -3,6 +3,8 @@
 import collections
 import json
 
+import torch
+
 from fairseq_oss.checkpoint_index import CheckpointIndex
 from fairseq_oss.tools.report import human_bytes, print_table
 
@@ -39,18 +41,17 @@ def _tensors_summary(index, tree) -> dict:
     if not isinstance(tree, dict):
         return {"tensors": 0}
     tensors = list(index.tensors(tree))
+    # Counted by storage, as the file stores them: tied tensors (a shared embedding) once.
+    records = index.records_of(tree)
     dtypes = collections.Counter()
-    total = elements = 0
-    for _, t in tensors:
-        n = t.numel() * t.element_size()
-        dtypes[str(t.dtype).replace("torch.", "")] += n
-        total += n
-        elements += t.numel()
+    for record in records.values():
+        dtypes[str(record.dtype).replace("torch.", "")] += record.nbytes
     largest = sorted(tensors, key=lambda nt: -nt[1].numel())[:TOP]
     return {
         "tensors": len(tensors),
-        "parameters": elements,
-        "bytes": total,
+        "storages": len(records),
+        "parameters": sum(r.nbytes // torch._utils._element_size(r.dtype) for r in records.values()),
+        "bytes": sum(r.nbytes for r in records.values()),
         "bytes_by_dtype": dict(dtypes),
         "largest": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for n, t in largest],
     }
@@ -102,7 +103,10 @@ def run(args) -> int:
     print(f"  lr scheduler: {t['lr_scheduler_state']}")
     if m["tensors"]:
         dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in m["bytes_by_dtype"].items())
-        print(f"  model:       {m['parameters']:,} values in {m['tensors']} tensors, {human_bytes(m['bytes'])} ({dtypes})")
+        shared = m["tensors"] - m["storages"]
+        tied = f" ({m['storages']} distinct: {shared} share storage)" if shared else ""
+        print(f"  model:       {m['parameters']:,} values in {m['tensors']} tensors{tied}, "
+              f"{human_bytes(m['bytes'])} ({dtypes})")
         print_table([(x["name"], "x".join(map(str, x["shape"])), x["dtype"]) for x in m["largest"]], indent=4,
                     header=("largest tensors", "shape", "dtype"))
     else:

@@ -1,15 +1,20 @@
 """``fairseq-oss reshard-plan FILE --world-size M [--bucket-mb B]``: what each of M ranks
 would hold and read when ``oss_adam`` resumes from FILE, from the index alone (nothing
 is loaded): the answer to "will it fit on M GPUs"."""
+from fairseq_oss import bucket_size
 from fairseq_oss.checkpoint_format import CheckpointError
 from fairseq_oss.checkpoint_index import CheckpointIndex
-from fairseq_oss.partition import ParamSpec, partition
+from fairseq_oss.partition import ParamSpec, bucket_count, partition
 from fairseq_oss.tools.report import human_bytes, print_table
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+BUCKET_FLAG = "--bucket-mb"
 
 
-def plan(index: CheckpointIndex, world_size: int, bucket_bytes: int) -> dict:
+def plan(index: CheckpointIndex, world_size: int, bucket_mb: float) -> dict:
+    """What each of ``world_size`` ranks holds and reads. Raises CheckpointError for a
+    file without optimizer state, ValueError for an unusable ``bucket_mb``."""
+    bucket_bytes = bucket_size.bucket_bytes(bucket_mb, BUCKET_FLAG)
     obj = index.obj if isinstance(index.obj, dict) else {}
     state = obj.get("last_optimizer_state")
     if not isinstance(state, dict) or "param_groups" not in state:
@@ -26,8 +31,11 @@ def plan(index: CheckpointIndex, world_size: int, bucket_bytes: int) -> dict:
             t = entry["exp_avg"]
             itemsize = t.element_size()
             specs.append(ParamSpec(g, t.numel(), str(t.dtype)))
-    layout = partition(specs, world_size, max(1, bucket_bytes // itemsize))
-    model_bytes = sum(t.numel() * t.element_size() for _, t in index.tensors(obj.get("model") or {}))
+    bucket_numel = max(1, bucket_bytes // itemsize)
+    bucket_size.check_bucket_count(bucket_count(specs, world_size, bucket_numel),
+                                   sum(s.numel for s in specs) * itemsize, bucket_mb, BUCKET_FLAG)
+    layout = partition(specs, world_size, bucket_numel)
+    model_bytes = sum(r.nbytes for r in index.records_of(obj.get("model") or {}).values())
     ranks = []
     for r in range(world_size):
         state_bytes = layout.shard_numel(r) * itemsize * len(STATE_KEYS)
@@ -45,13 +53,15 @@ def plan(index: CheckpointIndex, world_size: int, bucket_bytes: int) -> dict:
 def run(args) -> int:
     if args.world_size < 1:
         raise CheckpointError(f"--world-size must be at least 1, got {args.world_size}")
-    bucket_bytes = int(args.bucket_mb * 2**20)
-    if bucket_bytes < 1:
-        raise CheckpointError(f"--bucket-mb must be at least one byte, got {args.bucket_mb}")
-    p = plan(CheckpointIndex(args.file), args.world_size, bucket_bytes)
+    try:
+        bucket_size.bucket_bytes(args.bucket_mb, BUCKET_FLAG)  # before the file is read
+        p = plan(CheckpointIndex(args.file), args.world_size, args.bucket_mb)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     print(f"{p['file']}: resumed by oss_adam on {p['world_size']} rank(s), {p['buckets']} bucket(s) of "
           f"{human_bytes(p['bucket_bytes'])}")
-    print(f"  full Adam state {human_bytes(p['full_adam_state_bytes'])}; every rank also holds the model")
+    print(f"  full Adam state {human_bytes(p['full_adam_state_bytes'])}; every rank also holds the model "
+          "(its weights as the file stores them: tied tensors once)")
     print_table([(x["rank"], human_bytes(x["adam_state_bytes"]), human_bytes(x["reads_at_resume_bytes"]),
                   human_bytes(x["model_bytes"]), human_bytes(x["total_bytes"])) for x in p["ranks"]],
                 header=("rank", "Adam state", "reads at resume", "model weights", "total"), indent=2)

@@ -9,6 +9,7 @@ not copied. The result is a plain fairseq checkpoint without ``last_optimizer_st
 fairseq-generate, fairseq-eval-lm, ``from_pretrained`` and ``--finetune-from-model`` load it."""
 import collections
 import os
+import zlib
 
 import torch
 
@@ -34,7 +35,7 @@ def strip(src: str, out: str, dtype=None) -> int:
     if not isinstance(index.obj, dict):
         raise CheckpointError(f"{src}: not a fairseq checkpoint (its top level is not a dict)")
     kept = {k: v for k, v in index.obj.items() if k not in DROPPED}
-    needed = {index.place(t).record.name: index.place(t).record for _, t in index.tensors(kept)}
+    needed = index.records_of(kept)
     progress = Progress(f"strip {src}", sum(r.nbytes for r in needed.values()))
     writer = CheckpointWriter(os.path.dirname(os.path.abspath(out)))
     try:
@@ -45,7 +46,7 @@ def strip(src: str, out: str, dtype=None) -> int:
                 place = index.place(obj)
                 ref = refs.get(place.record.name)
                 if ref is None:
-                    ref = refs[place.record.name] = _copy_record(reader, writer, place.record, dtype, progress)
+                    ref = refs[place.record.name] = _copy_record(index, writer, place.record, dtype, progress)
                 return StreamedTensor(ref, place.storage_offset, obj.shape, obj.stride())
             if isinstance(obj, dict):
                 items = [(k, replace(v)) for k, v in obj.items()]
@@ -65,9 +66,14 @@ def strip(src: str, out: str, dtype=None) -> int:
     return os.path.getsize(out)
 
 
-def _copy_record(reader, writer, record, dtype, progress) -> StorageRef:
-    """Stream one storage into a new record, chunk by chunk (CRC-checked where the source
-    has a manifest), cast to ``dtype`` if it is floating point."""
+def _copy_record(index, writer, record, dtype, progress) -> StorageRef:
+    """Stream one storage into a new record, chunk by chunk, cast to ``dtype`` if it is
+    floating point. Every byte copied is checked: each chunk against the manifest's CRC
+    where the source has one, else the whole record against the zip's CRC32 (before the
+    new file is committed): no checksum is ever written over bytes not verified."""
+    reader = index.reader
+    stock = reader.manifest is None
+    crc = 0
     src_dtype = record.dtype
     out_dtype = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
     itemsize = torch._utils._element_size(src_dtype)
@@ -80,8 +86,14 @@ def _copy_record(reader, writer, record, dtype, progress) -> StorageRef:
             n = min(step, numel - start)
             part = buf[:n]
             reader.read_into(record.name, start * itemsize, (start + n) * itemsize, part, verify=True)
+            if stock:
+                crc = zlib.crc32(part.view(torch.uint8).numpy(), crc)
             w.write(part if out_dtype == src_dtype else part.to(out_dtype))
             progress.update(n * itemsize)
+    if stock:
+        held = index.tensors_in(record.name, 0, record.nbytes)
+        what = f" (holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''})" if held else ""
+        reader.check_zip_crc(record.name, crc, what)
     return ref
 
 
@@ -93,6 +105,9 @@ def run(args) -> int:
         raise CheckpointError("give -o OUT (a new file), or --in-place to replace FILE")
     out = src if args.in_place else args.output
     if not args.in_place:
+        parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent):
+            raise CheckpointError(f"{parent}: no such directory (strip creates no directories)")
         if os.path.isdir(out):
             raise CheckpointError(f"{out}: is a directory; give the new file's path")
         if os.path.lexists(out):
