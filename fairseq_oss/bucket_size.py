@@ -8,6 +8,7 @@ at least one byte. It must also not cut the parameters into more than
 no update completes). Pure arithmetic: no torch, no fairseq.
 """
 import math
+from typing import Optional
 
 DEFAULT_BUCKET_MB = 32.0
 MAX_BUCKETS = 65536
@@ -30,21 +31,25 @@ def bucket_bytes(mb, flag: str) -> int:
     return nbytes
 
 
-def check_bucket_count(count: int, total_bytes: int, mb, flag: str) -> None:
-    """Refuse a layout of more than :data:`MAX_BUCKETS` buckets.
-
-    Raises:
-        ValueError: naming ``flag``, its value, the bucket count and the smallest size
-            that works for ``total_bytes`` of parameters.
-    """
+def count_refusal(count: int, total_bytes: int, mb, flag: str) -> Optional[str]:
+    """Why a layout of ``count`` buckets (of ``total_bytes`` of parameters, at ``flag``
+    ``mb``) is refused, naming the flag, its value, the count and the smallest size that
+    works; None when ``count`` is at most :data:`MAX_BUCKETS`."""
     if count <= MAX_BUCKETS:
-        return
+        return None
     smallest = _round_up(total_bytes / MAX_BUCKETS / 2**20)
-    raise ValueError(
+    return (
         f"{flag} {mb} cuts the {total_bytes / 2**20:.1f} MiB of parameters into {count:,} buckets; at most "
         f"{MAX_BUCKETS:,} are allowed (every bucket costs collectives and bookkeeping on every step): "
         f"use {flag} {smallest:.2g} or more (default {DEFAULT_BUCKET_MB:g})"
     )
+
+
+def check_bucket_count(count: int, total_bytes: int, mb, flag: str) -> None:
+    """Raises ValueError with :func:`count_refusal`'s message, if any."""
+    refusal = count_refusal(count, total_bytes, mb, flag)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _round_up(value: float) -> float:

@@ -70,8 +70,7 @@ class FairseqOSSAdam(FairseqOptimizer):
                 max_buckets=bucket_size.MAX_BUCKETS,
             )
         except TooManyBuckets as e:
-            bucket_size.check_bucket_count(e.count, e.total_bytes, cfg.oss_bucket_mb, BUCKET_FLAG)
-            raise
+            raise ValueError(bucket_size.count_refusal(e.count, e.total_bytes, cfg.oss_bucket_mb, BUCKET_FLAG)) from None
         device = next(iter(self._optimizer._params), torch.empty(0)).device
         per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
         logger.info(

@@ -1,7 +1,7 @@
 """The layout of the sharded state, in one process (no torch.distributed)."""
 import pytest
 
-from fairseq_oss.partition import ParamSpec, Piece, clip_pieces, partition
+from fairseq_oss.partition import ParamSpec, Piece, bucket_count, clip_pieces, partition
 
 F32 = "torch.float32@cpu"
 DEFAULT_BUCKET_NUMEL = 32 * 2**20 // 4  # the default bucket (32 MiB) of fp32
@@ -130,3 +130,11 @@ def test_segments_place_every_parameter_once_whatever_the_world_size(world_size)
     assert [(s.numel, s.param_offsets) for s in segs] == [
         (s.numel, s.param_offsets) for s in partition(MIXED, 2, 1000).segments()
     ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("bucket_numel", [1, 7, 1000, 10**6])
+def test_bucket_count_is_the_number_of_buckets_partition_makes(world_size, bucket_numel):
+    specs = transformer_lm_specs(vocab=300, dim=16, layers=2, ffn=32)
+    specs += [ParamSpec(1, 5, "torch.float16@cpu"), ParamSpec(1, 9, "torch.float32@cpu"), ParamSpec(2, 0, "x")]
+    assert bucket_count(specs, world_size, bucket_numel) == len(partition(specs, world_size, bucket_numel).buckets)

@@ -347,3 +347,13 @@ def test_flat_master_and_bf16_params(world_size):
         per_rank = [r[name][4] for r in results]
         assert sum(per_rank) == 2 * 4 * p.numel()
         assert max(per_rank) <= 1.01 * 2 * 4 * p.numel() / world_size
+
+
+def test_too_many_buckets_are_refused_before_anything_is_allocated():
+    from fairseq_oss.sharded_adam import ShardedAdam, TooManyBuckets
+
+    p = torch.nn.Parameter(torch.zeros(1000))
+    with pytest.raises(TooManyBuckets) as e:
+        ShardedAdam([p], bucket_bytes=4, max_buckets=999)
+    assert e.value.count == 1000 and e.value.total_bytes == 4000
+    assert len(ShardedAdam([p], bucket_bytes=4, max_buckets=1000).partition.buckets) == 1000
