@@ -321,6 +321,7 @@ def call_main(cfg, main, **kwargs):
     fairseq-train returns at once, having trained nothing), skips the copies and does not
     wait for the last save. Each rank runs :func:`train_with_async_saves`. A configuration
     that oss_adam refuses (:func:`fairseq_oss.optimizer.refusal`) exits here, in one line."""
+    optimizer.drop_settings_of_oss_adam(cfg)
     problem = optimizer.refusal(cfg)
     if problem is not None:  # before any rank is spawned, model built or data read
         sys.exit(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {problem}")

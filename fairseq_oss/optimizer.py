@@ -14,7 +14,7 @@ from fairseq import optim
 from fairseq.distributed import utils as distributed_utils
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from fairseq_oss import bucket_size, collectives
 from fairseq_oss.sharded_adam import ShardedAdam, TooManyBuckets
@@ -125,6 +125,22 @@ def refusal(cfg) -> Optional[str]:
     if OmegaConf.select(cfg, "distributed_training.ddp_backend") == "fully_sharded":
         return _FSDP
     return None
+
+
+def drop_settings_of_oss_adam(cfg) -> None:
+    """Remove the ``oss_*`` settings from ``cfg.optimizer`` when it names another optimizer,
+    so that switching a Hydra config between oss_adam and adam is changing ``_name`` alone
+    (fairseq merges ``cfg.optimizer`` into the named optimizer's dataclass, which refuses
+    keys it does not have). Logged; nothing is dropped for oss_adam."""
+    node = OmegaConf.select(cfg, "optimizer")
+    if not OmegaConf.is_dict(node) or node.get("_name") == "oss_adam":
+        return
+    dropped = [k for k in node if str(k).startswith("oss_") and k in FairseqOSSAdamConfig.__dataclass_fields__]
+    if dropped:
+        with open_dict(node):
+            for k in dropped:
+                del node[k]
+        logger.info("optimizer %s: ignoring %s (settings of oss_adam only)", node.get("_name"), ", ".join(dropped))
 
 
 def _refusing_zero_sharding(fairseq_shard):

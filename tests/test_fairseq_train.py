@@ -148,12 +148,14 @@ def test_launch_styles(data, base, tmp_path, launch, ddp_backend):
 
 def test_hydra_config_matches_adam(data, tmp_path):
     """configs/lm_tiny.yaml runs with fairseq-hydra-train, with the overrides users write,
-    and gives the same bits as the same config with optimizer=adam."""
+    and gives the same bits as the same config with optimizer=adam, or with
+    optimizer._name=adam (one word switches both ways)."""
     dirs = {}
-    for opt in ("oss_adam", "adam"):
+    for opt, override in (("oss_adam", "optimizer=oss_adam"), ("adam", "optimizer=adam"),
+                          ("adam_by_name", "optimizer._name=adam")):
         d = dirs[opt] = str(tmp_path / opt)
         run([os.path.join(BIN, "fairseq-hydra-train"), "--config-dir", os.path.join(ROOT, "configs"),
-             "--config-name", "lm_tiny", f"task.data={data}", f"optimizer={opt}",
+             "--config-name", "lm_tiny", f"task.data={data}", override,
              "optimizer.adam_betas=(0.9,0.98)", "optimization.max_update=4",
              "lr_scheduler.warmup_updates=2", f"checkpoint.save_dir={d}", f"hydra.run.dir={d}/hydra",
              "dataset.disable_validation=true"], os.path.join(str(tmp_path), f"{opt}.log"))
@@ -161,6 +163,9 @@ def test_hydra_config_matches_adam(data, tmp_path):
     assert cfg["optimizer"]["_name"] == "oss_adam" and cfg["optimizer"]["adam_betas"] == "(0.9,0.98)"
     assert cfg["distributed_training"]["distributed_world_size"] == 2
     assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
+    # switching back by name alone (the oss_* keys of the shipped config are dropped)
+    assert load(ckpt(dirs["adam_by_name"]))["cfg"]["optimizer"]["_name"] == "adam"
+    assert_same_training_state(ckpt(dirs["adam_by_name"]), ckpt(dirs["adam"]))
 
 
 # fairseq-train in a process where the package's .pth did not run: no import hook, and
