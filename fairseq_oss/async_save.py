@@ -201,7 +201,13 @@ class BackgroundSave:
         self._start()
         self._thread.join()
 
+    @property
+    def running(self) -> bool:
+        """The job's thread has started and not yet ended."""
+        return self._thread.is_alive()
+
     def _run(self):
+        yield_cores_to_training()
         try:
             snap, steps = self.snapshot, self.snapshot.steps
             placeholders = save_records.write(snap, self.writer, self.parallel, self.weights)
@@ -235,6 +241,27 @@ class BackgroundSave:
             if self.writer is not None:
                 self.writer.abort()
             logger.error("oss_adam: asynchronous checkpoint save failed on this rank: %s: %s", type(e).__name__, e)
+
+
+# How much lower than training's the background job's CPU priority is (nice increment of
+# its thread; 0 leaves it equal). Its heavy work (CRC32s, pwrite, copies) runs in C with
+# the GIL released, so on cores that training keeps busy it then takes what training
+# leaves instead of competing with it.
+JOB_NICE = int(os.environ.get("FAIRSEQ_OSS_ASYNC_NICE", "10"))
+
+
+def yield_cores_to_training(increment: int = None) -> None:
+    """Lower the calling thread's CPU priority by ``increment`` (default
+    :data:`JOB_NICE`); Linux gives each thread a nice value of its own. Where that is not
+    possible (another OS, a sandbox), nothing changes."""
+    increment = JOB_NICE if increment is None else increment
+    if increment <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (AttributeError, OSError):
+        pass
 
 
 def _pending_entries(obj):

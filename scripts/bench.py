@@ -160,11 +160,23 @@ def same_training_state(a, b):
         for i in oa)
 
 
+def updates_by_background_save(ranks):
+    """The steady updates' seconds (slowest rank), split by whether an asynchronous save
+    ran in the background during them on any rank: (in flight, none)."""
+    seconds = steady([max(u) for u in zip(*(r["update_seconds"] for r in ranks))])
+    flags = steady([any(f) for f in zip(*(r.get("update_save_in_flight") or [False] * len(r["update_seconds"])
+                                          for r in ranks))])
+    return [s for s, f in zip(seconds, flags) if f], [s for s, f in zip(seconds, flags) if not f]
+
+
 def train_figures(ranks, ckpt_bytes):
     """A save blocks training until the last rank is back: per save, the max over ranks."""
     saves = [max(r["saves"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["saves"]))]
+    busy, idle = updates_by_background_save(ranks)
     return {
         "update_samples": steady(ranks[0]["update_seconds"]),
+        "update_samples_save_in_flight": busy,
+        "update_samples_no_save_in_flight": idle,
         "step_samples": steady(ranks[0]["step_seconds"]),
         "state_bytes": [r["state_bytes"] for r in ranks],
         "peak_rss": [r["peak_rss"] for r in ranks],
@@ -385,6 +397,12 @@ def report(results, size, machine):
         "with plain adam's resume from its own checkpoint at the same world size (ZeroRedundancyOptimizer runs AdamW: "
         "not comparable).",
     ]
+    background = results.get("oss_adam async", {})
+    busy, idle = background.get("update_samples_save_in_flight"), background.get("update_samples_no_save_in_flight")
+    if busy and idle:
+        notes.append(f"oss_adam async: an update during which a save runs in the background takes {median(busy):.2f} s "
+                     f"(median of {len(busy)}), one with none {median(idle):.2f} s (median of {len(idle)}): "
+                     f"{median(busy) / median(idle):.2f}x (slowest rank per update, same run).")
     same = results.get("oss_adam async", {}).get("same_state_as_sync")
     if same is not None:
         notes.append("oss_adam async's half-way checkpoint holds the same model and Adam state as oss_adam's, bit for "

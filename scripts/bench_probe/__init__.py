@@ -1,7 +1,8 @@
 """Measurement probe for scripts/bench.py, loaded into fairseq-train with --user-dir.
 
 Records, on every rank, into $BENCH_PROBE_OUT/rank{R}.json when the process exits:
-seconds of each update and of its optimizer step, optimizer-state bytes held by this rank, peak resident memory,
+seconds of each update (and whether an asynchronous save ran in the background during it)
+and of its optimizer step, optimizer-state bytes held by this rank, peak resident memory,
 and for each checkpoint save and load its wall time and the rise of this process's
 resident memory above where it was when the save or load began (sampled every ms). A
 save is timed from a clean page cache (``sync`` and a barrier of all ranks before it,
@@ -21,6 +22,7 @@ from fairseq import checkpoint_utils
 from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
+from fairseq_oss import async_save
 from fairseq_oss.memory import PeakRss as Peak
 
 _OUT = os.environ.get("BENCH_PROBE_OUT")
@@ -31,7 +33,7 @@ _OUT = os.environ.get("BENCH_PROBE_OUT")
 # contender, and not to the ZeroRedundancyOptimizer loop, which builds its optimizer
 # before it loads. Paid here, at start-up, for all alike.
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-RECORD = {"update_seconds": [], "step_seconds": [], "saves": [], "loads": [], "state_bytes": None}
+RECORD = {"update_seconds": [], "update_save_in_flight": [], "step_seconds": [], "saves": [], "loads": [], "state_bytes": None}
 
 
 def state_bytes(trainer):
@@ -53,10 +55,18 @@ _load = Trainer.load_checkpoint
 _save = checkpoint_utils.save_checkpoint
 
 
+def _save_in_flight() -> bool:
+    job = async_save.current()
+    return job is not None and job.running
+
+
 def train_step(self, *args, **kwargs):
+    in_flight = _save_in_flight()
     t0 = time.perf_counter()
     out = _train_step(self, *args, **kwargs)
     RECORD["update_seconds"].append(time.perf_counter() - t0)
+    # did an asynchronous save run in the background during (part of) this update?
+    RECORD["update_save_in_flight"].append(in_flight or _save_in_flight())
     if RECORD["state_bytes"] is None:
         RECORD["state_bytes"] = state_bytes(self)
     return out
