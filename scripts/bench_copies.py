@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 
-from fairseq_oss.files import clone_or_copy, commit
+from fairseq_oss.checkpoint.files import clone_or_copy, commit
 
 
 def hard_link(src, dst):

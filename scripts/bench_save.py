@@ -21,7 +21,7 @@ pages from the previous save, as between real saves minutes apart):
 Loads (of the file each contender wrote last; from the page cache): ``adam``: every rank
 ``torch.load``s the whole file and loads the model (as ``--load-checkpoint-on-all-dp-ranks``);
 ``oss``: every rank maps the file, loads the model from it and reads its own slices of the
-state (``ShardedAdam.load_from_checkpoint``), as fairseq-train does with oss_adam.
+state (``fairseq_oss.checkpoint.load_optimizer_state``), as fairseq-train does with oss_adam.
 Memory: the largest rise of any rank's resident memory during the save or load.
 Contenders interleaved (A B C A B C ...), medians over --repeats.
 
@@ -67,11 +67,12 @@ def _worker(rank, world_size, port, shape, repeats, directory, contenders, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    from fairseq_oss import async_save
-    from fairseq_oss.checkpoint_format import CheckpointWriter
+    from fairseq_oss.checkpoint import async_save
+    from fairseq_oss.checkpoint import load_optimizer_state, save_optimizer_state
+    from fairseq_oss.checkpoint.format import CheckpointWriter
     from fairseq_oss.memory import PeakRss
-    from fairseq_oss.model_weights import ModelWeights, with_placeholders, with_shell
-    from fairseq_oss.sharded_adam import ShardedAdam
+    from fairseq_oss.checkpoint.model_weights import ModelWeights, with_placeholders, with_shell
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
 
     torch.manual_seed(0)
     module = transformer_lm(**shape)
@@ -106,13 +107,13 @@ def _worker(rank, world_size, port, shape, repeats, directory, contenders, out):
         if contender == "oss async":
             job = async_save.begin(opt, writer, weights, None, world_size, shared_fs=True)
             if rank == 0:
-                job.hand_off({"model": module.state_dict(), "last_optimizer_state": opt.state_dict()}, path)
+                job.hand_off({"model": module.state_dict(), "last_optimizer_state": async_save.pending_state_dict(opt)},
+                             path)
             job.close_copies()
             return job
-        opt.consolidate_state_dict(0, writer=writer, stream=True, parallel=contender == "oss parallel",
-                                   weights=weights)
+        state = save_optimizer_state(opt, writer, shared_fs=contender == "oss parallel", weights=weights)
         if rank == 0:
-            obj = with_shell({"model": module.state_dict(), "last_optimizer_state": opt.state_dict()}, weights)
+            obj = with_shell({"model": module.state_dict(), "last_optimizer_state": state}, weights)
             writer.finish(with_placeholders(obj, weights), path)
         return None
 
@@ -143,7 +144,7 @@ def _worker(rank, world_size, port, shape, repeats, directory, contenders, out):
                 else:
                     ckpt = torch.load(paths[contender], map_location="cpu", mmap=True, weights_only=True)
                     module.load_state_dict(ckpt["model"])
-                    opt.load_from_checkpoint(paths[contender])
+                    load_optimizer_state(opt, paths[contender])
                 del ckpt
                 seconds = time.perf_counter() - t0
             loads[kind].append((seconds, m.rise))

@@ -1,9 +1,19 @@
+"""Fixtures shared by the test folders (which mirror the package's: optim, checkpoint,
+integration, tools), and the quick tier.
+
+The quick tier (``pytest -m quick``, README's developer loop) is every test that runs in
+the test process alone, plus the end-to-end tests marked ``quick`` by hand: a test is
+not quick if it trains through fairseq (it asks for a corpus or a trained checkpoint) or
+runs ranks in worker processes (``run_ranks``).
+"""
+import inspect
 import os
 import subprocess
 import sys
 
 import pytest
 
+from launch import BIN, TRANSLATION, run
 from ranks import shutdown_pools
 
 
@@ -24,3 +34,49 @@ def data(tmp_path_factory):
                    check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return os.path.join(out, "bin")
+
+
+@pytest.fixture(scope="session")
+def translation(data, tmp_path_factory):
+    """A translation task (target = source reversed) binarized, and a model trained on
+    it for 3 updates by oss_adam at 2 ranks."""
+    root = str(tmp_path_factory.mktemp("translation"))
+    text = os.path.dirname(data)
+    for split, n in (("train", 400), ("valid", 40)):
+        with open(os.path.join(text, f"{split}.txt")) as f:
+            lines = [line.split() for line in f if line.strip()][:n]
+        for lang, rows in (("src", lines), ("tgt", [row[::-1] for row in lines])):
+            with open(os.path.join(root, f"{split}.{lang}"), "w") as f:
+                f.writelines(" ".join(r) + "\n" for r in rows)
+    binary = os.path.join(root, "bin")
+    run([os.path.join(BIN, "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+         "--trainpref", os.path.join(root, "train"), "--validpref", os.path.join(root, "valid"),
+         "--testpref", os.path.join(root, "valid"), "--destdir", binary, "--joined-dictionary"],
+        os.path.join(root, "preprocess.log"))
+    save = os.path.join(root, "ckpt")
+    run([os.path.join(BIN, "fairseq-train"), binary, *TRANSLATION, "--save-dir", save, "--max-update", "3",
+         "--distributed-world-size", "2"], os.path.join(root, "train.log"))
+    return binary, save, root
+
+
+# fixtures that train through fairseq-train, or make a corpus for it
+_TRAINING_FIXTURES = {"data", "made", "saved", "translation", "base", "three_ranks", "short_epochs", "corpus",
+                      "stock_adam_resumed"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the developer's loop (pytest -m quick): in-process tests and "
+                                       "one end-to-end run")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("quick") is not None:
+            continue
+        trains = _TRAINING_FIXTURES & set(getattr(item, "fixturenames", ()))
+        try:
+            ranks = "run_ranks(" in inspect.getsource(item.function)
+        except (OSError, TypeError):
+            ranks = True
+        if not trains and not ranks:
+            item.add_marker(pytest.mark.quick)

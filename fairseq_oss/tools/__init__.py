@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from fairseq_oss.checkpoint_format import CheckpointError  # torch: only once the arguments are fine
+    from fairseq_oss.checkpoint.format import CheckpointError  # torch: only once the arguments are fine
 
     name = f"fairseq-oss {args.command}"
     try:

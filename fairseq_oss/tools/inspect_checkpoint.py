@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from fairseq_oss.checkpoint_index import CheckpointIndex
+from fairseq_oss.checkpoint.index import CheckpointIndex
 from fairseq_oss.tools.report import human_bytes, print_table
 
 TOP = 5

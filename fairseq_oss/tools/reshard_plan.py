@@ -1,10 +1,10 @@
 """``fairseq-oss reshard-plan FILE --world-size M [--bucket-mb B]``: what each of M ranks
 would hold and read when ``oss_adam`` resumes from FILE, from the index alone (nothing
 is loaded): the answer to "will it fit on M GPUs"."""
-from fairseq_oss import bucket_size
-from fairseq_oss.checkpoint_format import CheckpointError
-from fairseq_oss.checkpoint_index import CheckpointIndex
-from fairseq_oss.partition import ParamSpec, bucket_count, partition
+from fairseq_oss.optim import bucket_size
+from fairseq_oss.checkpoint.format import CheckpointError
+from fairseq_oss.checkpoint.index import CheckpointIndex
+from fairseq_oss.optim.partition import ParamSpec, bucket_count, partition
 from fairseq_oss.tools.report import human_bytes, print_table
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")

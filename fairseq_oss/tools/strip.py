@@ -13,14 +13,14 @@ import zlib
 
 import torch
 
-from fairseq_oss.checkpoint_format import (
+from fairseq_oss.checkpoint.format import (
     CHUNK_BYTES,
     CheckpointError,
     CheckpointWriter,
     StorageRef,
     StreamedTensor,
 )
-from fairseq_oss.checkpoint_index import CheckpointIndex
+from fairseq_oss.checkpoint.index import CheckpointIndex
 from fairseq_oss.tools.report import Progress, human_bytes
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

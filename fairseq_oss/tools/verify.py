@@ -6,8 +6,8 @@ import sys
 import zipfile
 import zlib
 
-from fairseq_oss.checkpoint_format import CheckpointError, CheckpointReader
-from fairseq_oss.checkpoint_index import CheckpointIndex
+from fairseq_oss.checkpoint.format import CheckpointError, CheckpointReader
+from fairseq_oss.checkpoint.index import CheckpointIndex
 from fairseq_oss.tools.report import Progress, human_bytes
 
 CHUNK = 1 << 20

@@ -22,7 +22,7 @@ from fairseq import checkpoint_utils
 from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
-from fairseq_oss import async_save
+from fairseq_oss.checkpoint import async_save
 from fairseq_oss.memory import PeakRss as Peak
 
 _OUT = os.environ.get("BENCH_PROBE_OUT")

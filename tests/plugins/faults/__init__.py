@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
-from fairseq_oss import checkpoint_format, parallel_write
+from fairseq_oss.checkpoint import format as checkpoint_format, parallel_write
 
 
 @register_criterion("faulty_cross_entropy", dataclass=CrossEntropyCriterionConfig)

@@ -1,0 +1,471 @@
+"""``ShardedAdam``: fairseq's Adam with its state sharded across data-parallel ranks.
+
+Owns the optimizer step and the mapping between the sharded state and the plain
+``torch.optim`` state-dict format. The layout comes from :mod:`fairseq_oss.optim.partition`;
+the collectives live in :mod:`fairseq_oss.optim.collectives`; moving the state into a
+checkpoint and back is :mod:`fairseq_oss.checkpoint`'s job, through this class's public
+accessors (:meth:`ShardedAdam.state_shards`, :meth:`ShardedAdam.fill_shards`, ...). It does
+no file I/O and does not touch fairseq.
+
+Numerics: each rank applies exactly the arithmetic of ``fairseq.optim.adam.Adam`` (the
+optimizer ``--optimizer adam`` uses on CPU) to its shard, element by element, in the same
+order; element-wise kernels give the same bits on a slice as on the whole tensor, so the
+parameters equal plain Adam's bit for bit at any world size (``tests/test_sharded_adam.py``).
+
+Every rank holds, besides the parameters, only:
+
+* ``exp_avg`` and ``exp_avg_sq`` for its shard of each bucket (about 1/N of Adam's state);
+* the step count of every parameter (one int each: parameters are stepped on every rank
+  alike, since data parallelism gives all ranks the same set of gradients);
+* with ``exchange="all_gather"`` only, two gather buffers of one bucket each, per dtype.
+
+The step updates each rank's shard in place, in the parameters' own memory, and hands it
+to the other ranks straight from there (point to point on gloo) or through one gather
+buffer per bucket (NCCL's all-gather): on gloo, no copy of a parameter or gradient at all.
+"""
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from fairseq_oss.optim import collectives, gather
+from fairseq_oss.optim.partition import Bucket, ParamSpec, Partition, Piece, bucket_count, partition
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
+class TooManyBuckets(ValueError):
+    """The bucket size cuts the parameters into more buckets than allowed."""
+
+    def __init__(self, count: int, total_bytes: int):
+        super().__init__(f"the bucket size cuts {total_bytes} bytes of parameters into {count} buckets")
+        self.count, self.total_bytes = count, total_bytes
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Adam keeps fp32 state for fp16/bf16 parameters, as fairseq's Adam does."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+class ShardedAdam(torch.optim.Optimizer):
+    """Adam (fairseq's variant: decoupled weight decay) with ZeRO stage 1 state sharding.
+
+    Arguments:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``.
+        lr, betas, eps, weight_decay, amsgrad: as ``fairseq.optim.adam.Adam``.
+        process_group: the data-parallel group to shard over; ``None`` means the default
+            group if ``torch.distributed`` is initialized, else a single process.
+        bucket_bytes: size of one bucket. Collectives move one bucket at a time, so this
+            bounds the extra memory of a step and of a consolidation.
+        exchange: how the step hands each rank's updated shard to the others: ``"p2p"``
+            (point to point, straight from and into the parameters: no copies, no
+            buffers) or ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket
+            through two gather buffers). ``None``: ``"p2p"`` on gloo, whose all-gather
+            stages through temporary buffers of its own, else ``"all_gather"`` (NCCL).
+        max_buckets: refuse a bucket size that makes more buckets than this
+            (:class:`TooManyBuckets`), before anything is allocated; ``None``: no limit.
+
+    Raises:
+        ValueError: for ``amsgrad=True`` (fairseq never enables it), a sparse or
+            non-contiguous parameter, a non-positive bucket size or an unknown exchange;
+            :class:`TooManyBuckets` (a ValueError) past ``max_buckets``.
+
+    .. warning:: The constructor, :meth:`step` and :meth:`consolidate_state_dict` are
+        collective: call them on all ranks of ``process_group``, in the same order.
+    """
+
+    # What fairseq's mixed-precision wrappers ask of an optimizer (fairseq's own Adam
+    # answers the same). --fp16 hands over one flat fp32 master tensor: the partition is
+    # element-granular, so it shards like any other parameter. --memory-efficient-fp16
+    # hands over the fp16/bf16 parameters themselves: the state is fp32 (_state_dtype)
+    # and each piece is updated in fp32, as fairseq's Adam does.
+    supports_flat_params = True
+    supports_memory_efficient_fp16 = True
+    # MemoryEfficientFP16Optimizer.load_state_dict would otherwise copy the whole loaded
+    # state into ``self.state`` (its workaround for torch casting fp32 state to fp16):
+    # this optimizer keeps its own fp32 shards and loads only them.
+    disable_mem_eff_fp16_loading_hack = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        process_group=None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        exchange: Optional[str] = None,
+        max_buckets: Optional[int] = None,
+    ):
+        if amsgrad:
+            raise ValueError("ShardedAdam does not implement amsgrad")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        self._frozen_groups = False
+        super().__init__(params, defaults)
+        self._frozen_groups = True
+
+        self.process_group = process_group
+        self.world_size, self.rank = collectives.world_size_and_rank(process_group)
+        if exchange is None:
+            exchange = "p2p" if collectives.backend(process_group) == "gloo" else "all_gather"
+        if exchange not in ("p2p", "all_gather"):
+            raise ValueError(f"exchange must be 'p2p' or 'all_gather', got {exchange!r}")
+        self.exchange = exchange
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(self._params):
+            if p.is_sparse or not p.is_contiguous():
+                raise ValueError(f"parameter {i} ({tuple(p.shape)}) must be dense and contiguous")
+        specs = [
+            ParamSpec(g, p.numel(), f"{p.dtype}@{p.device}")
+            for g, group in enumerate(self.param_groups)
+            for p in group["params"]
+        ]
+        itemsize = max((p.element_size() for p in self._params), default=4)
+        bucket_numel = max(1, bucket_bytes // itemsize)
+        count = bucket_count(specs, self.world_size, bucket_numel)
+        if max_buckets is not None and count > max_buckets:
+            raise TooManyBuckets(count, sum(p.numel() * p.element_size() for p in self._params))
+        self.partition: Partition = partition(specs, self.world_size, bucket_numel)
+        # Each bucket's pieces as rank r's shard holds them (offsets within the shard): every
+        # step walks them, for its own rank's update and for every rank's exchange.
+        self._shards: List[List[Tuple[Piece, ...]]] = [
+            [b.shard_pieces(r) for r in range(self.world_size)] for b in self.partition.buckets
+        ]
+        # For each parameter, the (bucket, piece) pairs of this rank's shards that hold it.
+        self._param_shards = self.partition.param_shards(self.rank)
+        self._steps: List[int] = [0] * len(self._params)
+        # Adam state of this rank's shard of each bucket (flat, fp32 for fp16/bf16 params).
+        self._exp_avg: List[torch.Tensor] = []
+        self._exp_avg_sq: List[torch.Tensor] = []
+        for b in self.partition.buckets:
+            start, end = b.shard_range(self.rank)
+            p0 = self._params[b.pieces[0].param]
+            dtype = _state_dtype(p0.dtype)
+            self._exp_avg.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
+            self._exp_avg_sq.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
+        self._gather_buffers: Dict[str, List[torch.Tensor]] = {}
+        self._consolidated: Optional[Dict[int, Dict[str, torch.Tensor]]] = None
+
+    # ------------------------------------------------------------------ layout helpers
+
+    def add_param_group(self, param_group):
+        if self._frozen_groups:
+            raise NotImplementedError("ShardedAdam cannot add param groups after construction")
+        super().add_param_group(param_group)
+
+    def _flat(self, index: int) -> torch.Tensor:
+        return self._params[index].data.view(-1)
+
+    def _buffer(self, bucket: Bucket, slot: int) -> torch.Tensor:
+        """One of two reusable gather buffers for the bucket's dtype and device."""
+        buffers = self._gather_buffers.get(bucket.kind)
+        if buffers is None:
+            size = max(b.shard_numel for b in self.partition.buckets if b.kind == bucket.kind)
+            p0 = self._params[bucket.pieces[0].param]
+            # Two, so that one bucket is filled while the previous one is still in flight.
+            buffers = [
+                torch.empty(size * self.world_size, dtype=p0.dtype, device=p0.device)
+                for _ in range(2)
+            ]
+            self._gather_buffers[bucket.kind] = buffers
+        return buffers[slot % len(buffers)][: bucket.shard_numel * self.world_size]
+
+    @property
+    def params(self) -> List[torch.Tensor]:
+        """The parameters, in optimizer order (the order of the state dict's indices)."""
+        return self._params
+
+    @property
+    def steps(self) -> List[int]:
+        """Each parameter's step count (0: no state yet)."""
+        return self._steps
+
+    def set_steps(self, steps: List[int]) -> None:
+        self._steps = list(steps)
+
+    state_dtype = staticmethod(_state_dtype)
+
+    def state_bytes(self) -> int:
+        """Bytes of Adam state (exp_avg and exp_avg_sq) held by this rank."""
+        return sum(t.numel() * t.element_size() for t in self._exp_avg + self._exp_avg_sq)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update this rank's shard of every parameter, in place, then exchange the
+        buckets' shards so that every rank holds the full updated parameters.
+
+        .. warning:: Collective: call on all ranks.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        "Adam does not support sparse gradients, please consider SparseAdam instead"
+                    )
+                self._steps[i] += 1
+
+        pending = None  # (bucket, exchange) in flight: it overlaps the next bucket's update
+        for b in self.partition.buckets:
+            self._update_shard(b)
+            started = self._start_exchange(b)
+            if pending is not None:
+                self._finish_exchange(*pending)
+            pending = (b, started)
+        if pending is not None:
+            self._finish_exchange(*pending)
+        return loss
+
+    def _piece_view(self, pc: Piece) -> torch.Tensor:
+        """The parameter's own elements that ``pc`` covers (a view: writes land in it)."""
+        return self._flat(pc.param)[pc.param_offset : pc.param_offset + pc.numel]
+
+    def _update_shard(self, bucket: Bucket) -> None:
+        """Apply Adam, in place, to this rank's part of the bucket's parameters, piece by
+        piece (a piece is one parameter's run of elements), as fairseq's Adam applies it
+        to each whole parameter; pieces without a gradient are left as they are."""
+        group = self.param_groups[bucket.group]
+        exp_avg, exp_avg_sq = self._exp_avg[bucket.index], self._exp_avg_sq[bucket.index]
+        for pc in self._shards[bucket.index][self.rank]:
+            g = self._params[pc.param].grad
+            if g is None:
+                continue
+            p = self._piece_view(pc)
+            grad = g.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
+            if grad.dtype in _LOW_PRECISION:
+                grad = grad.float()
+            p_fp32 = p.float() if p.dtype in _LOW_PRECISION else p
+            lo, hi = pc.offset, pc.offset + pc.numel
+            _adam_update(p_fp32, grad, exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param], group)
+            if p_fp32 is not p:
+                p.copy_(p_fp32)
+
+    def _start_exchange(self, bucket: Bucket):
+        """Start giving every rank this rank's updated shard of ``bucket`` and receiving
+        theirs (collective). Point to point straight between the parameters (gloo, whose
+        all-gather stages through temporary buffers), or one all-gather of the bucket
+        through a gather buffer (NCCL's fast path); ``self.exchange`` says which."""
+        if self.world_size == 1:
+            return None
+        if self.exchange == "p2p":
+            mine = [self._piece_view(pc) for pc in self._shards[bucket.index][self.rank]]
+            theirs = {
+                r: [self._piece_view(pc) for pc in self._shards[bucket.index][r]]
+                for r in range(self.world_size)
+                if r != self.rank
+            }
+            return collectives.exchange_pieces(mine, theirs, bucket.index, self.process_group)
+        buf = self._buffer(bucket, bucket.index)
+        c = bucket.shard_numel
+        shard = buf[self.rank * c : (self.rank + 1) * c]
+        for pc in self._shards[bucket.index][self.rank]:
+            shard[pc.offset : pc.offset + pc.numel].copy_(self._piece_view(pc))
+        return buf, collectives.all_gather_bucket(buf, shard, self.process_group, self.world_size)
+
+    def _finish_exchange(self, bucket: Bucket, started) -> None:
+        if started is None:
+            return
+        if self.exchange == "p2p":
+            collectives.wait_all(started)
+            return
+        buf, work = started
+        collectives.wait(work)
+        c = bucket.shard_numel
+        for r in range(self.world_size):
+            if r == self.rank:  # already in place
+                continue
+            for pc in self._shards[bucket.index][r]:
+                self._piece_view(pc).copy_(buf[r * c + pc.offset : r * c + pc.offset + pc.numel])
+
+    # ------------------------------------------------------------------ state dict
+
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """Gather the full Adam state on ``recipient_rank`` (a rank of ``process_group``),
+        one bucket at a time, as tensors (never pickles), for :meth:`state_dict` there;
+        other ranks only send. The recipient holds the whole state in memory: for a
+        checkpoint, :func:`fairseq_oss.checkpoint.save_optimizer_state` streams it into
+        the file instead.
+
+        .. warning:: Collective: call on all ranks, before :meth:`state_dict` on the recipient.
+        """
+        self._consolidated = gather.gather_in_memory(self, recipient_rank) if self.world_size > 1 else None
+
+    def state_shards(self):
+        return (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq))
+
+    def shard_ranges(self, bucket: Bucket):
+        return [bucket.shard_range(r) for r in range(self.world_size)]
+
+    def state_bucket_buffers(self) -> Dict[str, torch.Tensor]:
+        """One bucket of state per kind, reused by every gather or scatter of a pass."""
+        return gather.bucket_buffers(self)
+
+    def state_dict(self):
+        """The state in the format of ``fairseq.optim.adam.Adam.state_dict()``: one entry
+        per stepped parameter with ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` shaped
+        like the parameter, and one ``param_groups`` list.
+
+        With several ranks, only the recipient of :meth:`consolidate_state_dict` can call
+        this, once per consolidation (the gathered copy is handed over, not kept).
+
+        Raises:
+            RuntimeError: if the state was not consolidated on this rank.
+        """
+        consolidated, self._consolidated = self._consolidated, None
+        if consolidated is None and self.world_size == 1:
+            consolidated = self._local_full_state()
+        if consolidated is None:
+            raise RuntimeError(
+                "ShardedAdam.state_dict() on a sharded optimizer needs "
+                "consolidate_state_dict() to be called on all ranks first, and is only "
+                f"available on the recipient rank (this is rank {self.rank})"
+            )
+        return self.state_dict_of(consolidated)
+
+    def state_dict_of(self, tensors: Dict[int, Dict[str, torch.Tensor]], steps: Optional[List[int]] = None):
+        """The plain Adam state dict whose stepped parameters' ``exp_avg`` and
+        ``exp_avg_sq`` are ``tensors`` (by parameter index: gathered tensors, or the
+        placeholders of tensors written into a checkpoint), with ``steps`` (default: the
+        current ones) and this optimizer's param groups."""
+        steps = self._steps if steps is None else steps
+        state = {
+            i: {"step": steps[i], "exp_avg": t["exp_avg"], "exp_avg_sq": t["exp_avg_sq"]}
+            for i, t in sorted(tensors.items())
+        }
+        return {"state": state, "param_groups": self.saved_param_groups()}
+
+    def saved_param_groups(self):
+        """The param groups as a state dict holds them (parameters as global indices)."""
+        groups, start = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        return groups
+
+    def _local_full_state(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """World size 1: the shards are the whole state; view them per parameter."""
+        full = {}
+        for i, p in enumerate(self._params):
+            if self._steps[i] == 0:
+                continue
+            entry = {}
+            for key, local in self.state_shards():
+                parts = [
+                    local[bi][pc.offset : pc.offset + pc.numel]
+                    for bi, pc in self._param_shards.get(i, [])
+                ]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+                entry[key] = flat.clone().view(p.shape)
+            full[i] = entry
+        return full
+
+    def validate_state(self, state_dict, source: str = "loaded state") -> Tuple[List[int], List]:
+        """Check ``state_dict`` against this optimizer's parameters; return the step of
+        each parameter (0 where it has no state) and each parameter's key in the state.
+
+        Raises:
+            ValueError: naming the first mismatch.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{source} has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        saved_ids = []
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(
+                    f"param group {gi}: {source} has {len(sg['params'])} parameters, "
+                    f"this optimizer has {len(g['params'])}"
+                )
+            saved_ids.extend(sg["params"])
+        saved_state = state_dict["state"]
+        steps = [0] * len(self._params)
+        for i, (sid, p) in enumerate(zip(saved_ids, self._params)):
+            entry = saved_state.get(sid)
+            if entry is None:
+                continue
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                if key not in entry:
+                    raise ValueError(f"parameter {i}: {source} has no '{key}'")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = entry[key]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"parameter {i}: {source} {key} has shape {tuple(t.shape)}, "
+                        f"the parameter has shape {tuple(p.shape)}"
+                    )
+                if t.dtype != _state_dtype(p.dtype):
+                    raise ValueError(
+                        f"parameter {i}: {source} {key} has dtype {t.dtype}, this optimizer keeps "
+                        f"{_state_dtype(p.dtype)} for a {p.dtype} parameter"
+                    )
+            steps[i] = int(entry["step"])
+        return steps, saved_ids
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a state dict in the plain Adam format, saved at any world size: each rank
+        keeps the slices of its own shard. Hyperparameters come from the saved groups, as
+        with ``torch.optim``; the caller's dict is not modified.
+
+        To load from a checkpoint file, each rank reading only its own slices, see
+        :func:`fairseq_oss.checkpoint.load_optimizer_state`.
+
+        Raises:
+            ValueError: if the groups, parameter counts or state shapes do not match this
+                optimizer's parameters; the message names the first mismatch. Nothing is
+                changed then.
+        """
+        steps, saved_ids = self.validate_state(state_dict)
+        entries = [state_dict["state"].get(sid) for sid in saved_ids]
+        self.fill_shards(lambda i, k, start, end, dst: dst.copy_(entries[i][k].reshape(-1)[start:end]), steps)
+        self.apply_groups(state_dict["param_groups"])
+
+    def fill_shards(self, fill, steps: List[int]) -> None:
+        """Fill this rank's shards: ``fill(param, key, start, end, dst)`` writes elements
+        ``[start, end)`` of the parameter's flattened state into ``dst``; zeros where it
+        has no state."""
+        for i in range(len(self._params)):
+            for bi, pc in self._param_shards.get(i, []):
+                for key, local in self.state_shards():
+                    dst = local[bi][pc.offset : pc.offset + pc.numel]
+                    if steps[i] == 0:
+                        dst.zero_()
+                    else:
+                        fill(i, key, pc.param_offset, pc.param_offset + pc.numel, dst)
+        self._steps = steps
+
+    def apply_groups(self, saved_groups) -> None:
+        for sg, g in zip(saved_groups, self.param_groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+
+
+def _adam_update(p, grad, exp_avg, exp_avg_sq, step: int, group) -> None:
+    """One Adam update, written as ``fairseq.optim.adam.Adam.step`` writes it (same ops,
+    same order, same Python-float scalars), so the results are bitwise equal."""
+    beta1, beta2 = group["betas"]
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = exp_avg_sq.sqrt().add_(group["eps"])
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = group["lr"] * math.sqrt(bias_correction2) / bias_correction1
+    if group["weight_decay"] != 0:
+        p.add_(p, alpha=-group["weight_decay"] * group["lr"])
+    p.addcdiv_(exp_avg, denom, value=-step_size)

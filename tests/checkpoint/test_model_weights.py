@@ -1,0 +1,128 @@
+"""The model's weights as checkpoint records (fairseq_oss.checkpoint.model_weights), in one process.
+
+Assumptions: what loads from the records must equal what fairseq's own save holds
+(``utils.move_to_cpu`` of the model's state dict: half precision as float32), with tied
+tensors still sharing one storage; the ranks' shares must tile every record exactly,
+whatever the world size, for the parallel write to leave no hole.
+"""
+import collections
+import logging
+
+import pytest
+import torch
+
+from fairseq_oss.checkpoint.format import CheckpointWriter
+from fairseq_oss.checkpoint.model_weights import ModelWeights, with_placeholders
+from fairseq_oss.checkpoint.save_records import stream_plans
+
+
+def state_dict():
+    torch.manual_seed(0)
+    emb = torch.randn(50, 8)
+    big = torch.randn(3000, 7)
+    sd = collections.OrderedDict()
+    sd["embed.weight"] = emb
+    sd["proj.weight"] = emb  # tied: one storage
+    sd["half.weight"] = torch.randn(33, 5).half()
+    sd["bf.bias"] = torch.randn(11).bfloat16()
+    sd["big.weight"] = big
+    sd["big.t"] = big.t()  # a strided view of the same storage
+    sd["big.row"] = big[5]  # a view at an offset
+    sd["version"] = torch.tensor([3], dtype=torch.int64)
+    sd["empty"] = torch.empty(0)
+    sd["extra"] = {"not": "a tensor"}
+    sd._metadata = collections.OrderedDict({"": {"version": 1}, "embed": {"version": 2}})
+    return sd
+
+
+def saved_like_fairseq(sd):
+    """What fairseq's Trainer.save_checkpoint pickles of it (utils.move_to_cpu)."""
+    from fairseq import utils
+
+    return utils.move_to_cpu(sd)
+
+
+def test_records_are_one_per_storage_with_half_precision_as_float32():
+    w = ModelWeights.of(state_dict())
+    assert [(r.numel, r.dtype) for r in w.records] == [
+        (400, torch.float32), (165, torch.float32), (11, torch.float32), (21000, torch.float32),
+        (1, torch.int64), (0, torch.float32)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_shares_tile_every_record(world_size):
+    """Every element of every record is written by exactly one rank, and no rank writes
+    more than its 1/N of the bytes plus the alignment and one element."""
+    sd = collections.OrderedDict((f"t{i}", torch.zeros(n, dtype=dt)) for i, (n, dt) in enumerate(
+        [(1, torch.int8), (12345, torch.float32), (7, torch.float16), (0, torch.float32), (99999, torch.int64),
+         (3, torch.bfloat16), (4097, torch.uint8)]))
+    w = ModelWeights.of(sd)
+    covered = [[] for _ in w.records]
+    for rank in range(world_size):
+        mine = 0
+        for i, ranges in enumerate(w.share(rank, world_size)):
+            covered[i].extend(ranges)
+            mine += sum(b - a for a, b in ranges) * w.records[i].itemsize
+        assert mine <= w.nbytes / world_size + 4096 + 8 * len(w.records)
+    for r, ranges in zip(w.records, covered):
+        at = 0
+        for a, b in sorted(ranges):
+            assert a == at and b > a
+            at = b
+        assert at == r.numel
+
+
+def _write(tmp_path, sd, weights, plans):
+    path = str(tmp_path / "w.pt")
+    writer = CheckpointWriter(str(tmp_path))
+    weights.names = stream_plans(writer, plans)
+    writer.finish(with_placeholders({"model": weights.shell(saved_like_fairseq(sd)), "n": 1}, weights), path)
+    return torch.load(path, weights_only=True)
+
+
+def test_written_records_load_as_fairseqs_save(tmp_path):
+    sd = state_dict()
+    w = ModelWeights.of(sd)
+    got = _write(tmp_path, sd, w, w.plans(0, 1))["model"]
+    want = saved_like_fairseq(sd)
+    assert list(got) == list(want) and got._metadata == sd._metadata
+    for k, v in want.items():
+        if torch.is_tensor(v):
+            assert got[k].dtype == v.dtype and got[k].stride() == v.stride() and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v
+    assert got["embed.weight"].data_ptr() == got["proj.weight"].data_ptr()
+    assert got["big.t"].untyped_storage().data_ptr() == got["big.weight"].untyped_storage().data_ptr()
+
+
+def test_a_snapshot_keeps_the_weights_of_its_moment(tmp_path):
+    sd = state_dict()
+    w = ModelWeights.of(sd)
+    snap = w.snapshot(0, 1, lambda key, t, dtype: t.to(dtype=dtype, copy=True))
+    want = {k: v.clone() for k, v in saved_like_fairseq(sd).items() if torch.is_tensor(v)}
+    for v in sd.values():
+        if torch.is_tensor(v) and v.numel():
+            v.add_(1)  # training goes on
+    got = _write(tmp_path, sd, snap, snap.plans(0, 1))["model"]
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    with pytest.raises(ValueError, match="share"):
+        snap.plans(1, 2)
+
+
+def test_a_checkpoint_with_other_weights_keeps_its_own(caplog):
+    sd = state_dict()
+    w = ModelWeights.of(sd)
+    other = collections.OrderedDict(saved_like_fairseq(sd))
+    other["half.weight"] = sd["half.weight"]
+    with caplog.at_level(logging.WARNING):
+        assert w.shell(saved_like_fairseq(sd)) is not None
+        assert w.shell(other) is None  # float16, not saved as float32
+        assert w.shell({k: v for k, v in sd.items() if k != "version"}) is None
+    assert "written again by rank 0" in caplog.text
+    assert with_placeholders({"model": sd}, w)["model"] is sd
+
+
+def test_tensors_it_cannot_describe_leave_the_model_to_rank0():
+    assert ModelWeights.of({"w": torch.nn.Parameter(torch.ones(2))}) is None  # keeps requires_grad
+    assert ModelWeights.of({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}) is None
+    assert ModelWeights.of({"s": torch.ones(2).to_sparse()}) is None

@@ -1,0 +1,126 @@
+"""End to end: the real ``fairseq-train`` and ``fairseq-hydra-train`` on a tiny generated
+corpus, on CPU with gloo, ``--optimizer oss_adam`` against ``--optimizer adam``.
+
+Assumption: with the same seed, data and world size, fairseq's training is deterministic
+on CPU, so any difference in the checkpoints comes from the optimizer. Checkpoints are
+compared bit for bit (tests/checks.py).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from checks import assert_same_training_state, load
+from launch import ASYNC, BIN, COMMON, ENV, FIRST, RESUMED, ROOT, WITHOUT_HOOK, ckpt, run, tool, train
+
+@pytest.fixture(scope="module")
+def base(data, tmp_path_factory):
+    """Checkpoints after FIRST updates, per (optimizer, world size), spawned by fairseq."""
+    root = tmp_path_factory.mktemp("base")
+    dirs = {}
+    for ws in (1, 2, 3):
+        for opt in ("adam", "oss_adam"):
+            d = str(root / f"{opt}-{ws}")
+            train(data, d, opt, ws, FIRST)
+            dirs[opt, ws] = d
+    return dirs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_parity_with_adam(base, world_size):
+    """oss_adam at N ranks writes the same model and the same optimizer state, in the same
+    format, as --optimizer adam at N ranks."""
+    assert_same_training_state(ckpt(base["oss_adam", world_size]), ckpt(base["adam", world_size]))
+    assert load(ckpt(base["oss_adam", world_size]))["optimizer_history"][-1]["num_updates"] == FIRST
+    with open(os.path.join(base["oss_adam", world_size], f"train-spawn-{world_size}.log")) as f:
+        log = f.read()
+    assert f"Adam state sharded over {world_size} rank(s)" in log
+
+
+def test_checkpoint_is_plain_adam_format_and_size(base):
+    """No tensor stored twice, one param_groups list: the file is as big as adam's."""
+    for ws in (1, 2, 3):
+        a, b = ckpt(base["adam", ws]), ckpt(base["oss_adam", ws])
+        assert abs(os.path.getsize(a) - os.path.getsize(b)) <= 0.005 * os.path.getsize(a)
+        sd = load(b)["last_optimizer_state"]
+        assert set(sd) == {"state", "param_groups"} and len(sd["param_groups"]) == 1
+
+
+@pytest.mark.parametrize("save_ws, load_ws", [(2, 1), (2, 3), (1, 2), (3, 2)])
+def test_resume_at_another_world_size(data, base, tmp_path, save_ws, load_ws):
+    """A checkpoint saved at N resumes at M, and continues exactly as adam saved at N and
+    resumed at M does."""
+    dirs = {}
+    for opt in ("adam", "oss_adam"):
+        d = dirs[opt] = str(tmp_path / opt)
+        shutil.copytree(base[opt, save_ws], d)
+        log = train(data, d, opt, load_ws, RESUMED)
+        assert f"Loaded checkpoint {ckpt(d)} (epoch 1 @ {FIRST} updates)" in log
+    assert load(ckpt(dirs["oss_adam"]))["optimizer_history"][-1]["num_updates"] == RESUMED
+    assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
+
+
+@pytest.mark.parametrize(
+    "launch, ddp_backend",
+    [("torchrun", "pytorch_ddp"), ("torchrun", "legacy_ddp"), ("no-spawn", "pytorch_ddp"),
+     ("no-spawn", "legacy_ddp"), ("spawn", "legacy_ddp")],
+)
+def test_launch_styles(data, base, tmp_path, launch, ddp_backend):
+    """Every launcher and both DDP backends train on CPU and reach the same parameters
+    as fairseq's own spawn with the default backend (tested in test_parity_with_adam)."""
+    d = str(tmp_path / "run")
+    log = train(data, d, "oss_adam", 2, FIRST, launch=launch, extra=["--ddp-backend", ddp_backend])
+    assert "Adam state sharded over 2 rank(s)" in log
+    assert_same_training_state(ckpt(d), ckpt(base["oss_adam", 2]))
+
+
+def test_hydra_config_matches_adam(data, tmp_path):
+    """configs/lm_tiny.yaml runs with fairseq-hydra-train, with the overrides users write,
+    and gives the same bits as the same config with optimizer=adam, or with
+    optimizer._name=adam (one word switches both ways)."""
+    dirs = {}
+    for opt, override in (("oss_adam", "optimizer=oss_adam"), ("adam", "optimizer=adam"),
+                          ("adam_by_name", "optimizer._name=adam")):
+        d = dirs[opt] = str(tmp_path / opt)
+        run([os.path.join(BIN, "fairseq-hydra-train"), "--config-dir", os.path.join(ROOT, "configs"),
+             "--config-name", "lm_tiny", f"task.data={data}", override,
+             "optimizer.adam_betas=(0.9,0.98)", "optimization.max_update=4",
+             "lr_scheduler.warmup_updates=2", f"checkpoint.save_dir={d}", f"hydra.run.dir={d}/hydra",
+             "dataset.disable_validation=true"], os.path.join(str(tmp_path), f"{opt}.log"))
+    cfg = load(ckpt(dirs["oss_adam"]))["cfg"]
+    assert cfg["optimizer"]["_name"] == "oss_adam" and cfg["optimizer"]["adam_betas"] == "(0.9,0.98)"
+    assert cfg["distributed_training"]["distributed_world_size"] == 2
+    assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
+    # switching back by name alone (the oss_* keys of the shipped config are dropped)
+    assert load(ckpt(dirs["adam_by_name"]))["cfg"]["optimizer"]["_name"] == "adam"
+    assert_same_training_state(ckpt(dirs["adam_by_name"]), ckpt(dirs["adam"]))
+
+
+def test_user_dir_registers_without_the_import_hook(data, tmp_path):
+    """--user-dir pointing at the installed package works on its own; without it (and
+    without the hook) oss_adam is unknown, so the first run is not passing by accident."""
+    import fairseq_oss
+
+    pkg = os.path.dirname(fairseq_oss.__file__)
+    args = [data, *COMMON, "--optimizer", "oss_adam", "--max-update", "2", "--save-dir", str(tmp_path)]
+    run([sys.executable, "-c", WITHOUT_HOOK, *args, "--user-dir", pkg], str(tmp_path / "a.log"))
+    assert load(ckpt(str(tmp_path)))["cfg"]["optimizer"]["_name"] == "oss_adam"
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_HOOK, *args], env=ENV, capture_output=True, text=True)
+    assert proc.returncode != 0 and "invalid choice: 'oss_adam'" in proc.stderr
+
+
+@pytest.mark.quick
+def test_a_short_run_saves_in_the_background_and_resumes_at_another_world_size(data, tmp_path):
+    """The quick tier's end-to-end run, as a user makes it: fairseq-train with oss_adam on
+    2 ranks, saving in the background every 2 updates; the checkpoint verifies, and a
+    resume on 1 rank continues from it."""
+    d = str(tmp_path / "run")
+    log = train(data, d, "oss_adam", 2, 4, extra=["--save-interval-updates", "2", *ASYNC])
+    assert "asynchronous save of" in log and "Adam state sharded over 2 rank(s)" in log
+    rc, out, err = tool("verify", ckpt(d))
+    assert rc == 0 and "intact" in out, err
+    log = train(data, d, "oss_adam", 1, 6)
+    assert "(epoch 1 @ 4 updates)" in log
+    assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == 6

@@ -1,0 +1,143 @@
+"""Launching the real fairseq-train and the fairseq-oss command as users do, for the
+end-to-end tests: commands, the environment they run in, and the small model they train.
+
+Assumption: with the same seed, data and world size, fairseq's training is deterministic
+on CPU, so any difference in the checkpoints comes from the optimizer.
+"""
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+# Every option whose parity the issue asks for, in one run: weight decay, polynomial decay
+# with warm-up, --clip-norm (active: gnorm is above 0.5 here), --update-freq, betas.
+COMMON = [
+    "--task", "language_modeling", "--arch", "transformer_lm",
+    "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+    "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--max-tokens", "128",
+    "--lr", "0.002", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "3",
+    "--total-num-update", "40", "--clip-norm", "0.5", "--update-freq", "2",
+    "--weight-decay", "0.01", "--adam-betas", "(0.9,0.98)",
+    "--cpu", "--seed", "1", "--no-epoch-checkpoints", "--disable-validation",
+    "--log-format", "simple", "--log-interval", "1",
+]
+FIRST, RESUMED = 6, 10  # updates before the checkpoint, and in all after resuming
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd, log, cwd=None):
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=cwd, timeout=600)
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise AssertionError(f"{' '.join(cmd[:3])}... exited {proc.returncode}\n{tail}")
+    with open(log) as f:
+        return f.read()
+
+
+def train(data, save_dir, optimizer, world_size, max_update, launch="spawn", extra=()):
+    """Run fairseq-train as a user launches it; returns rank 0's log."""
+    os.makedirs(save_dir, exist_ok=True)
+    args = [data, *COMMON, "--optimizer", optimizer, "--save-dir", save_dir,
+            "--max-update", str(max_update), *extra]
+    exe = os.path.join(BIN, "fairseq-train")
+    log = os.path.join(save_dir, f"train-{launch}-{world_size}.log")
+    if launch == "spawn":
+        ws = ["--distributed-world-size", str(world_size)] if world_size > 1 else []
+        return run([exe, *args, *ws], log)
+    if launch == "torchrun":
+        return run([os.path.join(BIN, "torchrun"), "--nproc-per-node", str(world_size),
+                    "--master-port", str(free_port()), exe, *args], log)
+    assert launch == "no-spawn"
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        cmd = [exe, *args, "--distributed-world-size", str(world_size), "--distributed-rank", str(rank),
+               "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
+        f = open(f"{log}.{rank}", "w")
+        procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV), f))
+    codes = [p.wait(timeout=600) for p, _ in procs]
+    for _, f in procs:
+        f.close()
+    with open(f"{log}.0") as f:
+        out = f.read()
+    assert codes == [0] * world_size, (codes, out[-4000:])
+    return out
+
+
+def ckpt(d):
+    return os.path.join(d, "checkpoint_last.pt")
+
+
+PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "faults")
+
+
+def attempt(cmd, env=None, timeout=300):
+    """Run a command that may fail; returns (exit code, output). A hang fails the test."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def train_cmd(data, save_dir, optimizer, world_size, max_update, *extra):
+    cmd = [os.path.join(BIN, "fairseq-train"), data, *COMMON, "--optimizer", optimizer,
+           "--save-dir", save_dir, "--max-update", str(max_update), *extra]
+    return cmd + (["--distributed-world-size", str(world_size)] if world_size > 1 else [])
+
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+ASYNC = ["--write-checkpoints-asynchronously"]
+
+
+# fairseq-train in a process where the package's .pth did not run: no import hook, and
+# fairseq_oss not imported (as for a user who points --user-dir at a source checkout).
+WITHOUT_HOOK = (
+    "import sys; "
+    "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_RegisterAfterFairseq']; "
+    "[sys.modules.pop(m) for m in list(sys.modules) if m.split('.')[0] == 'fairseq_oss']; "
+    "from fairseq_cli.train import cli_main; sys.argv = ['fairseq-train'] + sys.argv[1:]; cli_main()"
+)
+
+
+TOOL = os.path.join(BIN, "fairseq-oss")
+
+
+def tool(*args, env=None, timeout=300):
+    proc = subprocess.run([TOOL, *args], capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+TRANSLATION = [
+    "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+    "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--max-tokens", "256", "--optimizer", "oss_adam", "--lr", "0.001", "--cpu", "--seed", "1",
+    "--no-epoch-checkpoints", "--log-format", "simple", "--disable-validation",
+]
+
+
+HUB = """
+import sys
+from fairseq.models.transformer_lm import TransformerLanguageModel
+lm = TransformerLanguageModel.from_pretrained(sys.argv[1], "checkpoint_last.pt", data_name_or_path=sys.argv[2])
+lm.eval()
+words = open(sys.argv[3]).readline().split()[:6]
+scored = lm.score(" ".join(words))
+sampled = lm.sample(" ".join(words[:2]), beam=1, sampling=True, sampling_topk=5, max_len_b=4, seed=1)
+print("tokens", len(scored["tokens"]), "finite", bool(scored["positional_scores"].isfinite().all()))
+print("sample", len(sampled.split()) > 2)
+"""
