@@ -30,7 +30,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" install --no-deps fairscale==0.4.13
   echo "$want" > "$stamp"
 fi
-"${PIP[@]}" install --no-deps --force-reinstall . 2>&1 | grep -v "^WARNING: Location" || true
+# setuptools' build/ keeps every module an earlier build had, and puts them in the wheel:
+# a module that moved or was removed would still be installed. Build from scratch.
+rm -rf build fairseq_oss.egg-info
+"${PIP[@]}" uninstall -y fairseq-oss >/dev/null 2>&1 || true
+"${PIP[@]}" install --no-deps . 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -W ignore - <<'PY'
 import torch, fairseq_oss
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
