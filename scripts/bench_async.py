@@ -10,8 +10,10 @@ the background on some rank and those during which none did. The contenders are 
 background job at its default CPU priority (``FAIRSEQ_OSS_ASYNC_NICE``, a nice increment
 of its thread) and at training's own priority (``FAIRSEQ_OSS_ASYNC_NICE=0``), interleaved
 (A B A B). Prints per contender: the median update with a save in flight, without, and
-their ratio (the slowdown: the same run, so the machine's drift cancels), and the median
-time a save ran in the background. Saves are timed from a clean page cache
+their ratio (the slowdown: the same run, so the machine's drift cancels), the mean update
+(what training pays over the run), and the median time a save blocks training (the
+snapshot, and waiting for the previous save's job if it is still running; the first save
+of a run, which waits for none, is left out). Saves are timed from a clean page cache
 (bench_probe: ``sync`` and a barrier before each, outside the timed window).
 """
 import argparse
@@ -37,7 +39,8 @@ def one_run(size, data, work, nice, updates, save_every):
     finally:
         os.environ.clear()
         os.environ.update(old)
-    return bench.updates_by_background_save(ranks)
+    blocked = [max(r["saves"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["saves"]))]
+    return bench.updates_by_background_save(ranks) + (blocked[1:],)  # the first save waits for no job
 
 
 def main(argv=None):
@@ -55,22 +58,24 @@ def main(argv=None):
                         "--vocab", str(size["vocab"]), "--train-lines", str(size["lines"])],
                        check=True, env=bench.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         data = os.path.join(data_root, "bin")
-        samples = {args.nice: ([], []), 0: ([], [])}
+        samples = {args.nice: ([], [], []), 0: ([], [], [])}
         for r in range(args.rounds):
             for nice in (args.nice, 0):
                 print(f"bench_async: round {r + 1}, job nice +{nice} ...", flush=True)
-                busy, idle = one_run(size, data, os.path.join(work, f"r{r}-n{nice}"), nice, args.updates,
-                                     args.save_every)
-                samples[nice][0].extend(busy)
-                samples[nice][1].extend(idle)
+                for kept, got in zip(samples[nice], one_run(size, data, os.path.join(work, f"r{r}-n{nice}"), nice,
+                                                            args.updates, args.save_every)):
+                    kept.extend(got)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print()
-    print("| background job | updates with a save in flight, s | without, s | slowdown |")
-    print("| --- | --- | --- | --- |")
-    for nice, (busy, idle) in samples.items():
-        b, i = bench.median(busy), bench.median(idle)
-        print(f"| nice +{nice} | {b:.2f} (median of {len(busy)}) | {i:.2f} (median of {len(idle)}) | {b / i:.3f}x |")
+    print("| background job | updates with a save in flight, s | without, s | slowdown | mean update, s | "
+          "a save blocks training, s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for nice, (busy, idle, blocked) in samples.items():
+        b, i = bench.median(busy) if busy else float("nan"), bench.median(idle) if idle else float("nan")
+        mean = sum(busy + idle) / len(busy + idle)
+        print(f"| nice +{nice} | {b:.2f} (median of {len(busy)}) | {i:.2f} (median of {len(idle)}) | {b / i:.3f}x | "
+              f"{mean:.2f} | {bench.median(blocked):.2f} (median of {len(blocked)}) |")
 
 
 if __name__ == "__main__":

@@ -93,11 +93,10 @@ class FairseqOSSAdam(FairseqOptimizer):
     def average_params(self):
         raise NotImplementedError("oss_adam does not support BMUF")
 
-
     def state_dict(self):
         """What a save has prepared for this checkpoint (:func:`prepare_state_dict`: the
         placeholders of the state written into the file, the pending state of an
-        asynchronous save, or :data:`UNAVAILABLE`), once; else the optimizer's own."""
+        asynchronous save, or :class:`Unavailable`), once; else the optimizer's own."""
         prepared = _PREPARED.pop(self._optimizer, None)
         return self._optimizer.state_dict() if prepared is None else prepared
 
@@ -114,16 +113,15 @@ class FairseqOSSAdam(FairseqOptimizer):
                 group.update(optimizer_overrides)
 
 
-class _Unavailable:
+class Unavailable(dict):
     """What oss_adam's state dict is in a checkpoint requested while an exception is
     being handled (fairseq's ``crash.pt``, possibly on one rank only), where gathering
-    the sharded state could hang the other ranks: the file is written without it."""
+    the sharded state could hang the other ranks: the file is written without it. A dict,
+    so that fairseq's fp16 wrappers can add their ``loss_scale`` to it as to any state
+    dict; a new one each time, so that nothing they add outlives one save."""
 
     def __repr__(self):
         return "<optimizer state not gathered>"
-
-
-UNAVAILABLE = _Unavailable()
 _PREPARED: "weakref.WeakKeyDictionary[ShardedAdam, object]" = weakref.WeakKeyDictionary()
 
 

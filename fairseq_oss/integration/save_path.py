@@ -53,7 +53,7 @@ from fairseq_oss.checkpoint.optimizer_state import save_optimizer_state
 from fairseq_oss.checkpoint.sharded_tensors import has_dtensor, register_sharded_tensor_hooks
 from fairseq_oss.integration import pruning
 from fairseq_oss.integration.optimizer import (
-    UNAVAILABLE,
+    Unavailable,
     checkpoint_options,
     prepare_state_dict,
     sharded_optimizer,
@@ -109,7 +109,7 @@ def consolidate_optimizer(self):
     group = self.data_parallel_process_group if world_size > 1 else None
     if sys.exc_info()[0] is not None:  # fairseq's crash path: maybe only this rank is crashing
         async_save.wait_locally()  # so no collective here
-        prepare_state_dict(inner, UNAVAILABLE)
+        prepare_state_dict(inner, Unavailable())
         return
     if getattr(_STATE, "async_save", False):
         async_save.wait_and_agree(group, world_size)  # one save in flight, failures on every rank
@@ -122,7 +122,7 @@ def consolidate_optimizer(self):
         if writer is not None:
             writer.abort()
         raise
-    prepare_state_dict(inner, state if writer is not None else UNAVAILABLE)
+    prepare_state_dict(inner, state if writer is not None else Unavailable())
     _STATE.pending = _Pending(writer, weights) if writer is not None else None
 
 
@@ -167,7 +167,7 @@ def _start_async_save(trainer, inner, group, world_size):
         if writer is not None:
             writer.abort()
         raise
-    prepare_state_dict(inner, async_save.pending_state_dict(inner) if writer is not None else UNAVAILABLE)
+    prepare_state_dict(inner, async_save.pending_state_dict(inner) if writer is not None else Unavailable())
     logger.info("oss_adam: checkpoint snapshot taken in %.2f s (%.1f MiB on this rank); written in the "
                 "background", time.perf_counter() - started, job.snapshot.nbytes / 2**20)
 
@@ -179,7 +179,7 @@ def torch_persistent_save(obj, filename, async_write: bool = False):
         return
     pending = _take_pending()
     writer = pending.writer if pending is not None else None
-    if isinstance(obj, dict) and obj.get("last_optimizer_state") is UNAVAILABLE:
+    if isinstance(obj, dict) and isinstance(obj.get("last_optimizer_state"), Unavailable):
         logger.warning(
             "%s is written without optimizer state: it was requested while an exception was "
             "being handled (possibly on one rank only), where gathering the sharded state "

@@ -1,4 +1,4 @@
-"""fairseq_oss/files.py: copies that are independent files, temporaries that only their
+"""fairseq_oss/checkpoint/files.py: copies that are independent files, temporaries that only their
 own writer's death makes removable, and a writer whose abort never hides the error."""
 import os
 import subprocess

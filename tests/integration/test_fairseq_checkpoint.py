@@ -174,14 +174,16 @@ def test_other_model_stops_every_rank(data, saved, tmp_path):
     assert rc != 0 and "Cannot load model parameters from checkpoint" in out
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_crash_on_one_rank_does_not_hang(data, tmp_path, rank):
+@pytest.mark.parametrize("rank, precision", [(0, []), (1, []), (0, ["--fp16"])], ids=["rank0", "rank1", "rank0-fp16"])
+def test_crash_on_one_rank_does_not_hang(data, tmp_path, rank, precision):
     """fairseq's crash path (consolidate + crash.pt from an exception handler on the rank
     that failed): it runs no collective, so the run ends instead of hanging; rank 0 writes
-    crash.pt with the model and without optimizer state. Rank 0's own failure when rank 1
+    crash.pt with the model and without optimizer state (under --fp16 too, whose wrapper
+    adds the loss scale to the state dict it gets). Rank 0's own failure when rank 1
     dies is a RuntimeError, which fairseq re-raises before its crash path: no crash.pt."""
     d = str(tmp_path / "run")
-    cmd = train_cmd(data, d, "oss_adam", 2, RESUMED, "--user-dir", PLUGIN, "--criterion", "faulty_cross_entropy")
+    cmd = train_cmd(data, d, "oss_adam", 2, RESUMED, "--user-dir", PLUGIN, "--criterion", "faulty_cross_entropy",
+                    *precision)
     env = {"FAULT_CRASH_RANK": str(rank), "FAULT_CRASH_CALL": "5", "FAULT_MARKER_DIR": str(tmp_path)}
     rc, out = attempt(cmd, env=env, timeout=180)
     # Not the message in the output: which rank's error the launcher reports first is a race.

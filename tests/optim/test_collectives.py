@@ -1,4 +1,4 @@
-"""fairseq_oss/collectives.py at 2 and 3 ranks: no deprecated collective, and a gather
+"""fairseq_oss/optim/collectives.py at 2 and 3 ranks: no deprecated collective, and a gather
 that waits for a stopped rank says which one it waits for."""
 import logging
 import os
