@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fairseq_oss.optim import collectives, gather
-from fairseq_oss.checkpoint import consolidation, model_weights, save_records
+from fairseq_oss.checkpoint import model_weights, save_records
 from fairseq_oss.checkpoint.format import CheckpointError
 from fairseq_oss.checkpoint.files import clone_or_copy
 

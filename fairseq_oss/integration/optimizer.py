@@ -113,12 +113,17 @@ class FairseqOSSAdam(FairseqOptimizer):
                 group.update(optimizer_overrides)
 
 
-class Unavailable(dict):
+class Unavailable:
     """What oss_adam's state dict is in a checkpoint requested while an exception is
     being handled (fairseq's ``crash.pt``, possibly on one rank only), where gathering
-    the sharded state could hang the other ranks: the file is written without it. A dict,
-    so that fairseq's fp16 wrappers can add their ``loss_scale`` to it as to any state
-    dict; a new one each time, so that nothing they add outlives one save."""
+    the sharded state could hang the other ranks: the file is written without it.
+
+    Not a dict: fairseq's ``utils.move_to_cpu`` rebuilds every dict of the checkpoint as
+    a plain one, which would turn this marker into an empty state. It takes the items
+    that fairseq's fp16 wrappers add to a state dict (``loss_scale``) and drops them."""
+
+    def __setitem__(self, key, value):
+        pass
 
     def __repr__(self):
         return "<optimizer state not gathered>"

@@ -31,7 +31,6 @@ def strip(src: str, out: str, dtype=None) -> int:
     """Write ``src`` without optimizer state to ``out`` (which may be ``src``: replaced
     atomically). Returns the bytes written."""
     index = CheckpointIndex(src)
-    reader = index.reader
     if not isinstance(index.obj, dict):
         raise CheckpointError(f"{src}: not a fairseq checkpoint (its top level is not a dict)")
     kept = {k: v for k, v in index.obj.items() if k not in DROPPED}
