@@ -249,11 +249,10 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
         for k in keep:
             setattr(cfg, k, 0)
     _STATE.async_save = background
-    job = None
     try:
         result = ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
-        job = async_save.current()
         if background and rules.prunes and trainer.should_save_checkpoint_on_current_rank and not cfg.no_save:
+            job = async_save.current()
             if job is not None and job.path is not None:
                 job.after_commit(functools.partial(pruning.prune, rules))
             else:  # no file handed over this time: every earlier one is committed
