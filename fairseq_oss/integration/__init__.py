@@ -13,6 +13,7 @@ also when one of them is what imported fairseq (the registration hook then fires
 that module is half-imported, and the module finishes the job itself).
 """
 from fairseq_oss.integration import compat  # noqa: F401 - first: the launcher wraps its fixes
+from fairseq_oss.integration import grad_sync  # noqa: F401 - the model wrapper of the reduce-scatter
 from fairseq_oss.integration import optimizer  # noqa: F401 - registers --optimizer oss_adam
 from fairseq_oss.integration import save_path  # noqa: F401
 from fairseq_oss.integration import load_path  # noqa: F401

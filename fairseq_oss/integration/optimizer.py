@@ -16,12 +16,15 @@ import torch
 from fairseq import optim
 from fairseq.distributed import utils as distributed_utils
 from fairseq.optim import FairseqOptimizer, register_optimizer
+from fairseq.dataclass import ChoiceEnum
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from omegaconf import OmegaConf, open_dict
 
 from fairseq_oss.checkpoint.format import OptimizerStateFile
 from fairseq_oss.checkpoint.optimizer_state import load_optimizer_state
+from fairseq_oss.integration import grad_sync
 from fairseq_oss.optim import bucket_size, collectives
+from fairseq_oss.optim.grad_reduction import GradReducer, total_norm
 from fairseq_oss.optim.sharded_adam import ShardedAdam, TooManyBuckets
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,18 @@ class FairseqOSSAdamConfig(FairseqAdamConfig):
             "help": "size in MiB of one bucket of parameters or optimizer state moved by one "
             "collective (step all-gather, checkpoint consolidation); bounds the extra memory "
             "they need"
+        },
+    )
+    oss_grad_reduction: ChoiceEnum(grad_sync.MODES) = field(
+        default="auto",
+        metadata={
+            "help": "how gradients are summed across the data-parallel ranks. reduce_scatter: "
+            "bucket by bucket during backward, each rank receiving the sum of its own shard only "
+            "and keeping 1/N of the gradients (as many bytes per update as plain adam); "
+            "all_reduce: fairseq's DDP all-reduce of every gradient, each rank keeping all "
+            "of them (1.5x plain adam's bytes with the parameters' all-gather); auto: "
+            "reduce_scatter in fp32 training under pytorch_ddp, legacy_ddp or no_c10d, "
+            "all_reduce otherwise"
         },
     )
     oss_skip_checksums: bool = field(
@@ -76,6 +91,14 @@ class FairseqOSSAdam(FairseqOptimizer):
             )
         except TooManyBuckets as e:
             raise ValueError(bucket_size.count_refusal(e.count, e.total_bytes, cfg.oss_bucket_mb, BUCKET_FLAG)) from None
+        # The reduce-scatter, where a ShardedGradDataParallel (not fairseq's DDP) holds the
+        # parameters: nothing else reduces them then.
+        switch = grad_sync.switch_of(self._optimizer.params)
+        self._reducer = None
+        if switch is not None and self._optimizer.world_size > 1:
+            self._reducer = GradReducer(
+                self._optimizer, unused=switch.unused, divide=switch.divide, sync_in_backward=switch
+            )
         device = next(iter(self._optimizer._params), torch.empty(0)).device
         per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
         logger.info(
@@ -89,6 +112,39 @@ class FairseqOSSAdam(FairseqOptimizer):
 
     # Same hyperparameters, parsed the same way, as --optimizer adam.
     optimizer_config = FairseqAdam.optimizer_config
+
+    def all_reduce_grads(self, module):
+        """With the reduce-scatter, finish it (collective); else fairseq's DDP's own."""
+        if self._reducer is None:
+            return super().all_reduce_grads(module)
+        self._reducer.finish()
+
+    def multiply_grads(self, c):
+        shards = self._optimizer.reduced_grads()
+        if shards is None:
+            return super().multiply_grads(c)
+        if shards:  # as FairseqOptimizer.multiply_grads, on this rank's shards
+            torch._foreach_mul_(shards, c.to(shards[0].device) if torch.is_tensor(c) else c)
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        """fairseq's clipping; with the reduce-scatter, the norm of the whole gradient
+        from every rank's shards (one scalar all-reduce, collective) and the clipping of
+        the shards. That norm sums the squares in another order than plain adam's
+        per-parameter norms: equal to rounding, and where clipping acts the parameters
+        are equal to rounding too (no clipping: coefficient 1, exact)."""
+        shards = self._optimizer.reduced_grads()
+        if shards is None:
+            return super().clip_grad_norm(max_norm, aggregate_norm_fn)
+        norm = total_norm(shards, self._optimizer.process_group, self._optimizer.params)
+        if max_norm > 0 and shards:
+            coef = (float(max_norm) / (norm + 1e-6)).clamp_(max=1)
+            torch._foreach_mul_(shards, coef)
+        return norm
+
+    def zero_grad(self):
+        super().zero_grad()
+        if self._reducer is not None:
+            self._reducer.reset()
 
     def average_params(self):
         raise NotImplementedError("oss_adam does not support BMUF")
@@ -187,6 +243,9 @@ def refusal(cfg) -> Optional[str]:
     launcher asks it before the ranks are spawned."""
     if OmegaConf.select(cfg, "optimizer._name") != "oss_adam":
         return None
+    problem = grad_sync.refusal(cfg)
+    if problem is not None:
+        return problem
     try:
         bucket_size.bucket_bytes(OmegaConf.select(cfg, "optimizer.oss_bucket_mb"), BUCKET_FLAG)
     except ValueError as e:

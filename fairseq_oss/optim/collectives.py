@@ -53,7 +53,8 @@ def all_gather_ints(value: int, group, device=None) -> List[int]:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _global_rank(group, rank: int) -> int:
+def global_rank(group, rank: int) -> int:
+    """The default group's rank of ``group``'s rank ``rank`` (what point to point takes)."""
     if group is None or group is dist.GroupMember.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
@@ -95,11 +96,11 @@ def exchange_pieces(
     """
     works = []
     for r, tensors in theirs.items():
-        src = _global_rank(group, r)
+        src = global_rank(group, r)
         for j, t in enumerate(tensors):
             works.append(dist.irecv(t, src=src, group=group, tag=2 * j + slot % 2))
     for r in theirs:
-        dst = _global_rank(group, r)
+        dst = global_rank(group, r)
         for j, t in enumerate(mine):
             works.append(dist.isend(t, dst=dst, group=group, tag=2 * j + slot % 2))
     return works
@@ -122,7 +123,7 @@ def gather_shards(
         start, end = ranges[rank]
         out[start:end].copy_(local)
         works = {
-            r: dist.irecv(out[s:e], src=_global_rank(group, r), group=group)
+            r: dist.irecv(out[s:e], src=global_rank(group, r), group=group)
             for r, (s, e) in enumerate(ranges)
             if r != rank and e > s
         }
@@ -131,7 +132,7 @@ def gather_shards(
                 w.wait()
         return out[:numel]
     if local.numel():
-        dist.send(local, dst=_global_rank(group, recipient), group=group)
+        dist.send(local, dst=global_rank(group, recipient), group=group)
     return None
 
 
@@ -186,7 +187,7 @@ def scatter_shards(
     world_size, rank = world_size_and_rank(group)
     if rank == 0:
         works = [
-            dist.isend(full[s:e].contiguous(), dst=_global_rank(group, r), group=group)
+            dist.isend(full[s:e].contiguous(), dst=global_rank(group, r), group=group)
             for r, (s, e) in enumerate(ranges)
             if r != 0 and e > s
         ]
@@ -194,7 +195,7 @@ def scatter_shards(
         for w in works:
             w.wait()
     elif local.numel():
-        dist.recv(local, src=_global_rank(group, 0), group=group)
+        dist.recv(local, src=global_rank(group, 0), group=group)
 
 
 def broadcast_object(obj, group, world_size: int):
@@ -205,7 +206,7 @@ def broadcast_object(obj, group, world_size: int):
     if world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     return box[0]
 
 

@@ -150,6 +150,8 @@ class ShardedAdam(torch.optim.Optimizer):
             self._exp_avg.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
             self._exp_avg_sq.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
         self._gather_buffers: Dict[str, List[torch.Tensor]] = {}
+        # (shards, used) of a reduce-scatter, for the next step; None: use ``.grad``.
+        self._reduced: Optional[Tuple[List[torch.Tensor], List[bool]]] = None
         self._consolidated: Optional[Dict[int, Dict[str, torch.Tensor]]] = None
 
     # ------------------------------------------------------------------ layout helpers
@@ -208,13 +210,17 @@ class ShardedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, p in enumerate(self._params):
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        "Adam does not support sparse gradients, please consider SparseAdam instead"
-                    )
-                self._steps[i] += 1
+        if self._reduced is not None:
+            for i, used in enumerate(self._reduced[1]):
+                self._steps[i] += used
+        else:
+            for i, p in enumerate(self._params):
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(
+                            "Adam does not support sparse gradients, please consider SparseAdam instead"
+                        )
+                    self._steps[i] += 1
 
         pending = None  # (bucket, exchange) in flight: it overlaps the next bucket's update
         for b in self.partition.buckets:
@@ -225,7 +231,25 @@ class ShardedAdam(torch.optim.Optimizer):
             pending = (b, started)
         if pending is not None:
             self._finish_exchange(*pending)
+        self._reduced = None
         return loss
+
+    # ------------------------------------------------------------------ reduced gradients
+
+    def set_reduced_grads(self, shards: List[torch.Tensor], used: List[bool]) -> None:
+        """Take the next step from ``shards`` (this rank's shard of each bucket's summed
+        gradient, as :class:`~fairseq_oss.optim.grad_reduction.GradReducer` leaves it)
+        instead of the parameters' ``.grad``; ``used[i]``: parameter ``i`` has a gradient
+        (is stepped) at all. Until the step or :meth:`zero_grad`."""
+        self._reduced = (shards, list(used))
+
+    def reduced_grads(self) -> Optional[List[torch.Tensor]]:
+        """This rank's shards of the reduced gradients, or None (they are in ``.grad``)."""
+        return None if self._reduced is None else self._reduced[0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._reduced = None
 
     def _piece_view(self, pc: Piece) -> torch.Tensor:
         """The parameter's own elements that ``pc`` covers (a view: writes land in it)."""
@@ -238,11 +262,16 @@ class ShardedAdam(torch.optim.Optimizer):
         group = self.param_groups[bucket.group]
         exp_avg, exp_avg_sq = self._exp_avg[bucket.index], self._exp_avg_sq[bucket.index]
         for pc in self._shards[bucket.index][self.rank]:
-            g = self._params[pc.param].grad
-            if g is None:
-                continue
+            if self._reduced is not None:
+                if not self._reduced[1][pc.param]:
+                    continue
+                grad = self._reduced[0][bucket.index][pc.offset : pc.offset + pc.numel]
+            else:
+                g = self._params[pc.param].grad
+                if g is None:
+                    continue
+                grad = g.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
             p = self._piece_view(pc)
-            grad = g.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
             if grad.dtype in _LOW_PRECISION:
                 grad = grad.float()
             p_fp32 = p.float() if p.dtype in _LOW_PRECISION else p

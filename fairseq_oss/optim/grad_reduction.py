@@ -1,0 +1,277 @@
+"""Gradients reduced straight into each rank's shard, bucket by bucket, during backward
+(ZeRO stage 2): the reduce-scatter that replaces fairseq's all-reduce for ``oss_adam``.
+
+Owns the gradient side of an update, from the moment autograd accumulates a parameter's
+gradient to the moment :class:`~fairseq_oss.optim.sharded_adam.ShardedAdam` is handed each
+rank's reduced shard:
+
+1. A hook on every parameter (``register_post_accumulate_grad_hook``) counts, per bucket of
+   the optimizer's partition, the parameters whose gradient this backward has produced.
+2. Buckets are started in one fixed order on every rank (the partition's buckets from last
+   to first, roughly the order backward produces them), each as soon as it and every bucket
+   before it in that order are complete: its gradients are copied, pre-divided by N as
+   fairseq's DDP does, into one staging buffer, and each rank's slice of it goes to that
+   rank in one message (point to point on gloo, whose own reduce-scatter is several times
+   slower than its all-reduce) or through one ``reduce_scatter_tensor`` (NCCL).
+3. A parameter whose buckets have all been staged loses its ``.grad`` at once: what a rank
+   keeps is its shard of every bucket (1/N of the gradients) and the buckets in flight.
+4. :meth:`GradReducer.finish` (fairseq's ``all_reduce_grads`` point) starts what backward
+   did not (a parameter without a gradient counts as zeros), waits, sums each rank's
+   received slices in rank order (so a run repeats itself bit for bit), and decides which
+   parameters have a gradient at all, as fairseq's DDP backends do: ``pytorch_ddp`` leaves
+   a parameter that no rank used without one (one small all-reduce of flags), ``legacy_ddp``
+   gives every parameter one.
+
+With ``--update-freq``, the backward passes of the first micro-batches run with
+``sync_in_backward`` returning False: gradients accumulate locally and are reduced once.
+"""
+import collections
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from fairseq_oss.optim import collectives
+
+# Point-to-point tags of the reduction (the step's exchange uses small tags of its own).
+TAG_BASE = 1 << 20
+UNUSED_POLICIES = ("skip", "zero")
+
+
+class GradReducer:
+    """The reduce-scatter of one :class:`ShardedAdam`'s gradients; see the module docstring.
+
+    Arguments:
+        optimizer: the ShardedAdam whose partition, parameters and process group are used.
+        method: ``"p2p"`` or ``"reduce_scatter"``; ``None``: p2p on gloo, else reduce_scatter.
+        unused: ``"skip"`` (pytorch_ddp: a parameter no rank used keeps no gradient and is
+            not stepped) or ``"zero"`` (legacy_ddp: every parameter gets a gradient).
+        divide: ``"mul"`` (multiply by 1/N, as PyTorch's DDP) or ``"div"`` (divide by N, as
+            fairseq's legacy DDP); both pre-scale each rank's gradients before the sum.
+        sync_in_backward: called as each gradient arrives; False (inside ``no_sync``)
+            leaves the gradients to accumulate and to :meth:`finish`.
+        in_flight: buckets in flight at once while backward goes on (each holds a staging
+            buffer of one bucket, plus room for the others' slices of its shard with p2p).
+
+    .. warning:: Backward passes that reduce, and :meth:`finish`, are collective: run them
+        on all ranks, for the same buckets.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        method: Optional[str] = None,
+        unused: str = "skip",
+        divide: str = "mul",
+        sync_in_backward: Callable[[], bool] = lambda: True,
+        in_flight: int = 1,
+    ):
+        if method is None:
+            method = "p2p" if collectives.backend(optimizer.process_group) == "gloo" else "reduce_scatter"
+        if method not in ("p2p", "reduce_scatter"):
+            raise ValueError(f"method must be 'p2p' or 'reduce_scatter', got {method!r}")
+        if unused not in UNUSED_POLICIES:
+            raise ValueError(f"unused must be one of {UNUSED_POLICIES}, got {unused!r}")
+        if divide not in ("mul", "div"):
+            raise ValueError(f"divide must be 'mul' or 'div', got {divide!r}")
+        self.opt = optimizer
+        self.method, self.unused, self.divide = method, unused, divide
+        self.sync_in_backward = sync_in_backward
+        self.in_flight = max(1, in_flight)
+        self.world_size, self.rank, self.group = optimizer.world_size, optimizer.rank, optimizer.process_group
+        part = optimizer.partition
+        self._buckets = part.buckets
+        self._params: List[torch.Tensor] = optimizer.params
+        # A parameter that requires no gradient never gets one: no hook, not waited for.
+        grads = [p.requires_grad for p in self._params]
+        bucket_params = [sorted({pc.param for pc in b.pieces if grads[pc.param]}) for b in self._buckets]
+        self._bucket_params = bucket_params
+        self._param_buckets: Dict[int, List[int]] = collections.defaultdict(list)
+        for b, params in enumerate(bucket_params):
+            for i in params:
+                self._param_buckets[i].append(b)
+        self._order = list(range(len(self._buckets) - 1, -1, -1))
+        # Each bucket's reduced shard, padded to the bucket's shard size (reduce_scatter's output).
+        self._shards: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
+        self._staging: Dict[str, List[torch.Tensor]] = {}
+        self._slots: Dict[str, int] = {}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook_for(i))
+            for i, p in enumerate(self._params)
+            if p.requires_grad
+        ]
+        self._reset()
+
+    # ------------------------------------------------------------------ per update
+
+    def _reset(self) -> None:
+        self._remaining = [len(ps) for ps in self._bucket_params]
+        self._staged = [0] * len(self._params)
+        self._used = [False] * len(self._params)
+        self._next = 0  # position in self._order of the next bucket to start
+        self._flying: collections.deque = collections.deque()
+        self._done = False
+
+    def _hook_for(self, index: int):
+        def hook(param):
+            if self._done or not self.sync_in_backward():
+                return
+            for b in self._param_buckets[index]:
+                self._remaining[b] -= 1
+            self._start_ready()
+
+        return hook
+
+    def _start_ready(self) -> None:
+        while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
+            self._start(self._order[self._next])
+            self._next += 1
+
+    def finish(self) -> None:
+        """Reduce what backward has not, wait for every bucket, and hand the optimizer the
+        reduced shards (``ShardedAdam.set_reduced_grads``). Does nothing if this update is
+        already reduced.
+
+        .. warning:: Collective: call on all ranks.
+        """
+        if self._done:
+            return
+        while self._next < len(self._order):
+            self._start(self._order[self._next])
+            self._next += 1
+        while self._flying:
+            self._complete(self._flying.popleft())
+        used = self._used_anywhere()
+        for p in self._params:
+            p.grad = None
+        views = [s[: e - st] for s, (st, e) in zip(self._shards, (b.shard_range(self.rank) for b in self._buckets))]
+        self.opt.set_reduced_grads(views, used)
+        self._done = True
+
+    def reset(self) -> None:
+        """Forget this update's reduction (fairseq's ``zero_grad``): the next backward
+        starts a new one. Buckets still in flight are waited for first."""
+        while self._flying:
+            self._flying.popleft()["wait"]()
+        self._reset()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ one bucket
+
+    def _staging_buffers(self, bucket) -> List[torch.Tensor]:
+        """``in_flight + 1`` reusable (staging, received) pairs for the bucket's kind."""
+        bufs = self._staging.get(bucket.kind)
+        if bufs is None:
+            c = max(b.shard_numel for b in self._buckets if b.kind == bucket.kind)
+            p0 = self._params[bucket.pieces[0].param]
+            recv = (self.world_size - 1) * c if self.method == "p2p" else 0
+            bufs = [
+                (p0.new_empty(c * self.world_size), p0.new_empty(recv)) for _ in range(self.in_flight + 1)
+            ]
+            self._staging[bucket.kind] = bufs
+            self._slots[bucket.kind] = 0
+        return bufs
+
+    def _start(self, b: int) -> None:
+        bucket = self._buckets[b]
+        while len(self._flying) >= self.in_flight:
+            self._complete(self._flying.popleft())
+        bufs = self._staging_buffers(bucket)
+        # Round robin over in_flight + 1 buffers: the one reused has completed (FIFO).
+        slot = self._slots[bucket.kind] = (self._slots[bucket.kind] + 1) % len(bufs)
+        staging, recv = bufs[slot]
+        c = bucket.shard_numel
+        staging = staging[: c * self.world_size]
+        for pc in bucket.pieces:
+            dst = staging[pc.offset : pc.offset + pc.numel]
+            g = self._params[pc.param].grad
+            if g is None:
+                dst.zero_()
+                continue
+            self._used[pc.param] = True
+            src = g.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
+            if self.divide == "mul":
+                torch.mul(src, 1.0 / self.world_size, out=dst)
+            else:
+                torch.div(src, self.world_size, out=dst)
+        staging[bucket.numel :].zero_()
+        # Every piece of these parameters is in a staging buffer now: autograd's copy goes.
+        for i in self._bucket_params[b]:
+            self._staged[i] += 1
+            if self._staged[i] == len(self._param_buckets[i]):
+                self._params[i].grad = None
+        if self._shards[b] is None:
+            self._shards[b] = staging.new_empty(c)
+        shard = self._shards[b]
+        if self.method == "reduce_scatter":
+            work = dist.reduce_scatter_tensor(shard, staging, group=self.group, async_op=True)
+            self._flying.append({"bucket": b, "wait": work.wait, "sum": None})
+            return
+        works = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            peer = collectives.global_rank(self.group, r)
+            k = r if r < self.rank else r - 1
+            works.append(dist.irecv(recv[k * c : (k + 1) * c], src=peer, group=self.group, tag=TAG_BASE + b))
+            works.append(dist.isend(staging[r * c : (r + 1) * c], dst=peer, group=self.group, tag=TAG_BASE + b))
+
+        def total():
+            # Rank order, own slice in its place: the same sum on every rank, run after run.
+            parts = [
+                staging[r * c : (r + 1) * c] if r == self.rank else recv[(r if r < self.rank else r - 1) * c :][:c]
+                for r in range(self.world_size)
+            ]
+            torch.add(parts[0], parts[1], out=shard)
+            for t in parts[2:]:
+                shard.add_(t)
+
+        self._flying.append({"bucket": b, "wait": lambda: collectives.wait_all(works), "sum": total})
+
+    def _complete(self, flying) -> None:
+        flying["wait"]()
+        if flying["sum"] is not None:
+            flying["sum"]()
+
+    def _used_anywhere(self) -> List[bool]:
+        if self.unused == "zero":  # as legacy DDP: every parameter that requires one
+            return [p.requires_grad for p in self._params]
+        device = self._params[0].device if self._params else None
+        flags = torch.tensor([int(u) for u in self._used], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, group=self.group)
+        return [bool(v) for v in flags.tolist()]
+
+    # ------------------------------------------------------------------ accounting
+
+    def held_bytes(self) -> Dict[str, int]:
+        """Gradient bytes this rank holds now: its reduced shards, its staging buffers and
+        the ``.grad`` tensors autograd still holds."""
+        shard = sum(s.numel() * s.element_size() for s in self._shards if s is not None)
+        staging = sum(
+            t.numel() * t.element_size() for bufs in self._staging.values() for pair in bufs for t in pair
+        )
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
+        return {"shards": shard, "staging": staging, "grads": grads}
+
+
+def total_norm(shards: List[torch.Tensor], group, params: List[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the whole summed gradient, from every rank's ``shards``: the squares
+    summed in float64 here, then one all-reduce of that scalar; float32, as fairseq's
+    ``clip_grad_norm_`` returns it, on the parameters' device.
+
+    .. warning:: Collective: call on all ranks.
+    """
+    device = params[0].device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for s in shards:
+        if s.numel():
+            sq += torch.linalg.vector_norm(s, 2, dtype=torch.float64) ** 2
+    world_size, _ = collectives.world_size_and_rank(group)
+    if world_size > 1:
+        dist.all_reduce(sq, group=group)
+    return sq.sqrt().float()

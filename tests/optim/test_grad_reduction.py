@@ -1,0 +1,140 @@
+"""GradReducer: gradients reduce-scattered into each rank's shard during backward, on 2
+and 3 CPU ranks with gloo, against the same gradients summed by hand.
+
+Each rank trains the tests' small model on its own inputs, with two micro-batches per
+update (the first under ``no_sync``), real backward passes (the hooks fire as autograd
+produces the gradients) and a layer that some ranks, or all ranks, leave unused in some
+updates. The reference is computed on every rank: each rank's gradients, pre-divided by N
+and summed in rank order (what the point-to-point reduction does), fed to fairseq's Adam.
+"""
+import pytest
+import torch
+
+from models import SMALL_BUCKET, lr_at, make_model, param_groups
+from ranks import run_ranks
+
+STEPS = 6
+
+
+def _inputs(rank, step, micro):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randint(0, 300, (5,), generator=g), torch.randn(5, 3, generator=g)
+
+
+def _uses_sometimes(rank, step):
+    """Rank 0 skips the layer in odd steps; every rank skips it in step 4."""
+    return step != 4 and not (rank == 0 and step % 2)
+
+
+def _loss(model, rank, step, micro):
+    idx, w = _inputs(rank, step, micro)
+    h = model["fc2"](torch.relu(model["fc1"](model["embed"](idx))))
+    if _uses_sometimes(rank, step):
+        return (model["sometimes"](h) * w).sum()
+    return (h[:, :3] * w).sum()
+
+
+def _reference_grads(model, world_size, step, unused):
+    """Every rank's accumulated gradients, times 1/N, summed in rank order."""
+    total = {}
+    for r in range(world_size):
+        model.zero_grad(set_to_none=True)
+        for micro in range(2):
+            _loss(model, r, step, micro).backward()
+        for n, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            g = torch.mul(p.grad, 1.0 / world_size)
+            total[n] = g if n not in total else total[n] + g
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.grad = total.get(n, torch.zeros_like(p) if unused == "zero" else None)
+
+
+class _Switch:
+    enabled = True
+
+    def __call__(self):
+        return self.enabled
+
+
+def reduce_job(rank, world_size, method, unused):
+    from fairseq.optim.adam import Adam
+
+    from fairseq_oss.optim.grad_reduction import GradReducer, total_norm
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
+
+    model, ref = make_model(), make_model()
+    opt = ShardedAdam(param_groups(model, 1e-3), betas=(0.9, 0.98), eps=1e-6, bucket_bytes=SMALL_BUCKET)
+    ref_opt = Adam(param_groups(ref, 1e-3), betas=(0.9, 0.98), eps=1e-6)
+    switch = _Switch()
+    reducer = GradReducer(opt, method=method, unused=unused, sync_in_backward=switch)
+    grad_bytes = sum(p.numel() * p.element_size() for p in opt.params)
+    out = {"held": [], "norms": [], "grads_left": 0, "early": 0, "buckets": len(opt.partition.buckets)}
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        reducer.reset()
+        for micro in range(2):
+            switch.enabled = micro == 1  # fairseq's no_sync for all micro-batches but the last
+            _loss(model, rank, step, micro).backward()
+        out["early"] += reducer._next  # buckets started during backward, before finish
+        reducer.finish()
+        out["grads_left"] += sum(p.grad is not None for p in opt.params)
+        out["held"].append(reducer.held_bytes())
+        shards = opt.reduced_grads()
+        norm = total_norm(shards, None, opt.params)
+        _reference_grads(ref, world_size, step, unused)
+        ref_norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+        out["norms"].append((norm.item(), ref_norm.item()))
+        for o in (opt, ref_opt):
+            for group in o.param_groups:
+                group["lr"] = lr_at(step) * (0.5 if group.get("weight_decay") else 1.0)
+        opt.step()
+        ref_opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["ref"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    out["steps"] = list(opt.steps)
+    out["ref_steps"] = [ref_opt.state[p]["step"] if p in ref_opt.state else 0
+                        for g in ref_opt.param_groups for p in g["params"]]
+    out["grad_bytes"] = grad_bytes
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("unused", ["skip", "zero"])
+def test_point_to_point_reduction_steps_as_adam_on_the_summed_gradients(world_size, unused):
+    """Bit for bit: the p2p reduction sums in the reference's order; parameters that no
+    rank used are not stepped ("skip", PyTorch's DDP) or stepped with zeros ("zero",
+    fairseq's legacy DDP), exactly as fairseq's Adam does with those gradients."""
+    results = run_ranks(world_size, reduce_job, "p2p", unused)
+    for r in results:
+        for n, t in r["ref"].items():
+            assert torch.equal(r["params"][n], t), n
+        assert r["steps"] == r["ref_steps"]
+        assert r["grads_left"] == 0  # no rank keeps a full .grad after the reduction
+        assert r["early"] > 0  # some buckets left during backward, not at finish
+        for got, want in r["norms"]:
+            assert abs(got - want) <= 1e-6 * want
+    skipped = [s for s in results[0]["steps"] if 0 < s < STEPS]  # 0: the frozen layer
+    assert (len(skipped) > 0) == (unused == "skip")  # step 4: "sometimes" unused everywhere
+    assert all(torch.equal(results[0]["params"][n], r["params"][n]) for r in results for n in r["params"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gradients_held_after_the_reduction_are_one_shard_and_the_buffers(world_size):
+    """What a rank keeps: its shards (total/N, up to one padding element per bucket) and
+    the staging buffers of the buckets in flight; no ``.grad`` tensor."""
+    for r in run_ranks(world_size, reduce_job, "p2p", "skip"):
+        total, buckets = r["grad_bytes"], r["buckets"]
+        for held in r["held"]:
+            assert held["grads"] == 0
+            assert held["shards"] <= total / world_size + 4 * buckets
+            assert held["staging"] <= 2 * 2 * SMALL_BUCKET + 4 * world_size * 2
+
+
+def test_reduce_scatter_collective_gives_the_same_parameters_within_rounding():
+    """NCCL's path (``reduce_scatter_tensor``), run on gloo: its sum order is gloo's."""
+    for r in run_ranks(3, reduce_job, "reduce_scatter", "skip"):
+        for n, t in r["ref"].items():
+            assert torch.allclose(r["params"][n], t, rtol=1e-5, atol=1e-7), n
+        assert r["steps"] == r["ref_steps"] and r["grads_left"] == 0
