@@ -15,17 +15,30 @@ BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 # Every option whose parity the issue asks for, in one run: weight decay, polynomial decay
-# with warm-up, --clip-norm (active: gnorm is above 0.5 here), --update-freq, betas.
+# with warm-up, --clip-norm (computed, but not acting: gnorm is about 1.5 here; see
+# CLIPPING), --update-freq, betas.
 COMMON = [
     "--task", "language_modeling", "--arch", "transformer_lm",
     "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
     "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--max-tokens", "128",
     "--lr", "0.002", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "3",
-    "--total-num-update", "40", "--clip-norm", "0.5", "--update-freq", "2",
+    "--total-num-update", "40", "--clip-norm", "5", "--update-freq", "2",
     "--weight-decay", "0.01", "--adam-betas", "(0.9,0.98)",
     "--cpu", "--seed", "1", "--no-epoch-checkpoints", "--disable-validation",
     "--log-format", "simple", "--log-interval", "1",
 ]
+# Clipping that acts on every update. With the gradients reduce-scattered, the norm is
+# summed from shards in another order than plain adam's per-parameter norms, so where
+# clipping acts, oss_adam and adam agree to rounding, not to the bit.
+CLIPPING = ["--clip-norm", "0.5"]
+# At 3 or more ranks, the reduce-scatter sums each element's N contributions in rank
+# order, fairseq's all-reduce in gloo's: the last bits differ, and training amplifies
+# them. Measured after 6 updates of these tests' model at 3 ranks, as a fraction of the
+# largest value of its kind (checks.assert_close_training_state): oss_adam against adam
+# 3e-6, and fairseq's own adam under legacy_ddp against pytorch_ddp 5e-6, both largest in
+# an attention key's bias, whose gradient is rounding noise. The bound leaves room for the
+# longer runs of the resume tests.
+SUM_ORDER_RTOL = 1e-4
 FIRST, RESUMED = 6, 10  # updates before the checkpoint, and in all after resuming
 
 

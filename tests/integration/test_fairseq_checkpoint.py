@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from checks import assert_same_training_state, load
-from launch import ASYNC, COMMON, ENV, FIRST, PLUGIN, RESUMED, ROOT, WITHOUT_HOOK, attempt, ckpt, digest, free_port, train, train_cmd
+from checks import assert_close_training_state, assert_same_training_state, load
+from launch import SUM_ORDER_RTOL, ASYNC, COMMON, ENV, FIRST, PLUGIN, RESUMED, ROOT, WITHOUT_HOOK, attempt, ckpt, digest, free_port, train, train_cmd
 
 @pytest.fixture(scope="module")
 def saved(data, tmp_path_factory):
@@ -62,7 +62,7 @@ def test_oss_adam_resumes_stock_adam_checkpoint(data, saved, tmp_path):
     got = resumed(data, saved["adam"], tmp_path, "oss_adam", 3, "oss")
     want = resumed(data, saved["adam"], tmp_path, "adam", 3, "adam")
     assert load(got)["optimizer_history"][-1]["num_updates"] == RESUMED
-    assert_same_training_state(got, want)
+    assert_close_training_state(got, want, SUM_ORDER_RTOL)  # 3 ranks: the sum's order
 
 
 def test_resume_without_a_shared_file_system(data, saved, tmp_path):
@@ -82,7 +82,7 @@ def test_oss_adam_resumes_fairscale_oss_checkpoint(data, tmp_path):
     train(data, src, "adam", 2, FIRST, extra=["--zero-sharding", "os", "--ddp-backend", "legacy_ddp"])
     got = resumed(data, src, tmp_path, "oss_adam", 3, "oss")
     want = resumed(data, src, tmp_path, "adam", 3, "adam")
-    assert_same_training_state(got, want)
+    assert_close_training_state(got, want, SUM_ORDER_RTOL)  # 3 ranks: the sum's order
 
 
 def test_aliases_are_independent_files_and_old_checkpoints_are_deleted(data, tmp_path):
