@@ -13,8 +13,10 @@ rank's reduced shard:
    fairseq's DDP does, into one staging buffer, and each rank's slice of it goes to that
    rank in one message (point to point on gloo, whose own reduce-scatter is several times
    slower than its all-reduce) or through one ``reduce_scatter_tensor`` (NCCL).
-3. A parameter whose buckets have all been staged loses its ``.grad`` at once: what a rank
-   keeps is its shard of every bucket (1/N of the gradients) and the buckets in flight.
+3. A parameter whose buckets have all been staged loses its ``.grad`` at once. During
+   backward a rank holds the gradients not staged yet, the staging buffers of at most
+   ``in_flight + 1`` buckets and its shards; once the reduction is done, its shard of
+   every bucket only (1/N of the gradients, kept from one update to the next).
 4. :meth:`GradReducer.finish` (fairseq's ``all_reduce_grads`` point) starts what backward
    did not (a parameter without a gradient counts as zeros), waits, sums each rank's
    received slices in rank order (so a run repeats itself bit for bit), and decides which
@@ -142,6 +144,7 @@ class GradReducer:
             self._next += 1
         while self._flying:
             self._complete(self._flying.popleft())
+        self._staging.clear()  # between reductions a rank keeps its shards only
         used = self._used_anywhere()
         for p in self._params:
             p.grad = None
@@ -154,6 +157,7 @@ class GradReducer:
         starts a new one. Buckets still in flight are waited for first."""
         while self._flying:
             self._flying.popleft()["wait"]()
+        self._staging.clear()
         self._reset()
 
     def remove_hooks(self) -> None:
@@ -164,14 +168,17 @@ class GradReducer:
     # ------------------------------------------------------------------ one bucket
 
     def _staging_buffers(self, bucket) -> List[torch.Tensor]:
-        """``in_flight + 1`` reusable (staging, received) pairs for the bucket's kind."""
+        """``in_flight + 1`` reusable (staging, received) pairs for the bucket's kind (fewer
+        when it has fewer buckets), made for one reduction and let go by :meth:`finish`."""
         bufs = self._staging.get(bucket.kind)
         if bufs is None:
-            c = max(b.shard_numel for b in self._buckets if b.kind == bucket.kind)
+            same = [b for b in self._buckets if b.kind == bucket.kind]
+            c = max(b.shard_numel for b in same)
             p0 = self._params[bucket.pieces[0].param]
             recv = (self.world_size - 1) * c if self.method == "p2p" else 0
             bufs = [
-                (p0.new_empty(c * self.world_size), p0.new_empty(recv)) for _ in range(self.in_flight + 1)
+                (p0.new_empty(c * self.world_size), p0.new_empty(recv))
+                for _ in range(min(self.in_flight + 1, len(same)))
             ]
             self._staging[bucket.kind] = bufs
             self._slots[bucket.kind] = 0

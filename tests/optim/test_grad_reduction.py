@@ -70,7 +70,7 @@ def reduce_job(rank, world_size, method, unused):
     switch = _Switch()
     reducer = GradReducer(opt, method=method, unused=unused, sync_in_backward=switch)
     grad_bytes = sum(p.numel() * p.element_size() for p in opt.params)
-    out = {"held": [], "norms": [], "grads_left": 0, "early": 0, "buckets": len(opt.partition.buckets)}
+    out = {"held": [], "before": [], "norms": [], "grads_left": 0, "early": 0, "buckets": len(opt.partition.buckets)}
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         reducer.reset()
@@ -78,6 +78,7 @@ def reduce_job(rank, world_size, method, unused):
             switch.enabled = micro == 1  # fairseq's no_sync for all micro-batches but the last
             _loss(model, rank, step, micro).backward()
         out["early"] += reducer._next  # buckets started during backward, before finish
+        out["before"].append(reducer.held_bytes())
         reducer.finish()
         out["grads_left"] += sum(p.grad is not None for p in opt.params)
         out["held"].append(reducer.held_bytes())
@@ -122,14 +123,18 @@ def test_point_to_point_reduction_steps_as_adam_on_the_summed_gradients(world_si
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gradients_held_after_the_reduction_are_one_shard_and_the_buffers(world_size):
-    """What a rank keeps: its shards (total/N, up to one padding element per bucket) and
-    the staging buffers of the buckets in flight; no ``.grad`` tensor."""
+    """What a rank keeps once the reduction is done: its shards (total/N, up to one padding
+    element per bucket), no ``.grad`` tensor, no staging buffer. During backward, staging
+    for two buckets at most (each with room for the other ranks' slices of its shard)."""
     for r in run_ranks(world_size, reduce_job, "p2p", "skip"):
         total, buckets = r["grad_bytes"], r["buckets"]
         for held in r["held"]:
-            assert held["grads"] == 0
+            assert held == {"shards": held["shards"], "staging": 0, "grads": 0}
             assert held["shards"] <= total / world_size + 4 * buckets
-            assert held["staging"] <= 2 * 2 * SMALL_BUCKET + 4 * world_size * 2
+        for before in r["before"]:
+            assert before["staging"] <= 2 * (2 * SMALL_BUCKET + 4 * world_size)
+        # where backward started buckets (not where an unused layer holds them all back)
+        assert any(b["staging"] > 0 and b["grads"] < total for b in r["before"])
 
 
 def test_reduce_scatter_collective_gives_the_same_parameters_within_rounding():

@@ -1,0 +1,129 @@
+"""What an update moves and holds: bytes sent per rank, gradient bytes held, and the
+update's time, for --optimizer adam, fairscale OSS (--zero-sharding os), and oss_adam
+with its gradients reduce-scattered (the default) or all-reduced (--oss-grad-reduction
+all_reduce), through the real fairseq-train with a counting probe (scripts/comm_probe).
+
+Counts (bytes, gradient bytes) come from one run per contender and world size: they do
+not depend on the machine's load. Times come from separate runs without the counting
+hook, interleaved (A B C A B C ...), at 2 ranks; each figure is the median over rounds of
+the per-run median over updates 3 and later. Prints a table and writes it, with the raw
+figures, to bench-results/comm.md and comm.json.
+
+    python scripts/bench_comm.py [--world-sizes 2 3 4] [--rounds 3] [--updates 10]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (model_args, env, BIN, ROOT)
+
+PROBE = os.path.join(bench.ROOT, "scripts", "comm_probe")
+# The issue's shape: a 4-layer transformer_lm of about 7M parameters (fp32 gradients ~28 MB).
+SIZE = dict(vocab=8000, lines=4000, dim=256, ffn=1024, layers=4, tokens=64, max_tokens=512)
+CONTENDERS = {
+    "adam": ["--optimizer", "adam"],
+    "fairscale OSS": ["--optimizer", "adam", "--zero-sharding", "os", "--ddp-backend", "legacy_ddp"],
+    "oss_adam all_reduce": ["--optimizer", "oss_adam", "--oss-grad-reduction", "all_reduce"],
+    "oss_adam reduce_scatter": ["--optimizer", "oss_adam"],
+}
+TIMED = ["adam", "oss_adam all_reduce", "oss_adam reduce_scatter"]
+
+
+def run(name, data, work, world_size, updates, count):
+    out = os.path.join(work, f"probe-{name.replace(' ', '_')}-{world_size}-{count}-{time.time_ns()}")
+    cmd = [os.path.join(bench.BIN, "fairseq-train"), *bench.model_args(SIZE, data), *CONTENDERS[name],
+           "--save-dir", os.path.join(work, "save"), "--no-save", "--max-update", str(updates),
+           "--user-dir", PROBE]
+    if world_size > 1:
+        cmd += ["--distributed-world-size", str(world_size)]
+    env = dict(bench.env(), COMM_PROBE_OUT=out)
+    if count:
+        env["COMM_PROBE_COUNT"] = "1"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} at {world_size} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    ranks = []
+    for r in range(world_size):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+def steady(values):
+    return statistics.median(values[2:] if len(values) > 3 else values)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds at 2 ranks (0: none)")
+    ap.add_argument("--updates", type=int, default=10)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    work = tempfile.mkdtemp(prefix="fairseq-oss-comm-")
+    data_root = os.path.join(work, "data")
+    subprocess.run([sys.executable, os.path.join(bench.ROOT, "scripts", "make_corpus.py"), data_root,
+                    "--vocab", str(SIZE["vocab"]), "--train-lines", str(SIZE["lines"])],
+                   check=True, env=bench.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    data = os.path.join(data_root, "bin")
+    counts = {}
+    for ws in args.world_sizes:
+        for name in CONTENDERS:
+            print(f"bench_comm: counting {name} at {ws} ranks ...", flush=True)
+            ranks = run(name, data, work, ws, 6, count=True)
+            counts[f"{name}@{ws}"] = {
+                "sent": statistics.mean(steady(r["sent"]) for r in ranks),
+                "grad_bytes": max(steady(r["grad_bytes"]) for r in ranks),
+            }
+    times = {name: {"seconds": [], "after_backward": []} for name in TIMED}
+    for i in range(args.rounds):
+        for name in TIMED:
+            print(f"bench_comm: timing round {i + 1}: {name} ...", flush=True)
+            r0 = run(name, data, work, 2, args.updates, count=False)[0]
+            times[name]["seconds"].append(steady(r0["seconds"]))
+            times[name]["after_backward"].append(steady(r0["after_backward"]))
+
+    lines = ["| contender | " + " | ".join(f"MB sent/rank/update N={ws} (x adam)" for ws in args.world_sizes)
+             + " | grad MB held/rank N=2 | " + ("s/update N=2 (x adam) | after backward s (x adam) |"
+                                                 if args.rounds else ""),
+             "|---" * (1 + len(args.world_sizes) + 1 + (2 if args.rounds else 0)) + "|"]
+    for name in CONTENDERS:
+        cells = []
+        for ws in args.world_sizes:
+            c, base = counts[f"{name}@{ws}"], counts[f"adam@{ws}"]
+            cells.append(f"{c['sent'] / 1e6:.1f} ({c['sent'] / base['sent']:.2f}x)")
+        held = counts.get(f"{name}@2", {}).get("grad_bytes")
+        cells.append(f"{held / 1e6:.1f}" if held is not None else "-")
+        if args.rounds:
+            if name in times:
+                s, a = statistics.median(times[name]["seconds"]), statistics.median(times[name]["after_backward"])
+                bs = statistics.median(times["adam"]["seconds"])
+                ba = statistics.median(times["adam"]["after_backward"])
+                cells += [f"{s:.3f} ({s / bs:.2f}x)", f"{a:.4f} ({a / ba:.2f}x)"]
+            else:
+                cells += ["-", "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
+            f"(tied embedding); fp32, gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
+            "Bytes: counted at the collectives as NCCL's ring algorithms send them, mean over ranks, median over "
+            "updates 3 and later. Grad MB held: the largest rank, after the reduction. Times: interleaved rounds, "
+            "rank 0, medians.")
+    table = "\n".join(lines)
+    print(table)
+    print(note)
+    out_dir = os.path.join(bench.ROOT, "bench-results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "comm.md"), "w") as f:
+        f.write(f"Measured {time.strftime('%Y-%m-%d')} (`python scripts/bench_comm.py`).\n\n{table}\n\n{note}\n")
+    with open(os.path.join(out_dir, "comm.json"), "w") as f:
+        json.dump({"counts": counts, "times": times, "size": SIZE}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

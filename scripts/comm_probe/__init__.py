@@ -1,0 +1,168 @@
+"""Counting probe for scripts/bench_comm.py, loaded into fairseq-train with --user-dir.
+
+Records on every rank, into $COMM_PROBE_OUT/rank{R}.json at exit, per update:
+
+* ``sent``: bytes this rank sends in the update's collectives, counted where they are
+  called, as NCCL's ring algorithms would send them: all-reduce 2(N-1)/N of the tensor,
+  reduce-scatter (N-1)/N of the input, all-gather (N-1)/N of the output, broadcast (N-1)/N
+  of the tensor (the ring's average per rank), point to point what is sent. PyTorch's DDP
+  reduces in C++, so with $COMM_PROBE_COUNT set its buckets go through DDP's default
+  Python comm hook, whose ``dist.all_reduce`` is counted (set only for the counting
+  runs: the hook is Python, and the timing runs go without it);
+* ``grad_bytes``: gradient bytes this rank holds once the reduction is done (the
+  parameters' ``.grad``, and oss_adam's reduced shards and staging buffers; not the
+  flat bucket buffers that PyTorch's DDP keeps besides ``.grad``, which it does not expose);
+* ``seconds``: the update's wall time, and ``after_backward``: from the end of the last
+  micro-batch's backward to the end of the optimizer step (gradient reduction left over,
+  clipping, the step; for PyTorch's DDP the reduction's tail is inside backward).
+"""
+import atexit
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from fairseq.models import distributed_fairseq_model
+from fairseq.tasks import FairseqTask
+from fairseq.trainer import Trainer
+
+from fairseq_oss.optim import collectives
+
+_OUT = os.environ.get("COMM_PROBE_OUT")
+RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": []}
+_now = {"sent": 0, "grad_bytes": None, "backward_end": None}
+
+
+def _n(group=None):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _bytes(t):
+    return t.numel() * t.element_size()
+
+
+def _counting(fn, share):
+    def wrapped(*args, **kwargs):
+        _now["sent"] += share(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _group(kwargs):
+    return kwargs.get("group")
+
+
+def _arg(args, kwargs, i, *names):
+    """The ``i``-th positional argument, or the first of ``names`` passed by keyword."""
+    if len(args) > i:
+        return args[i]
+    return next(kwargs[n] for n in names if n in kwargs)
+
+
+def _ring(factor, i, *names):
+    def share(*a, **k):
+        n = _n(_group(k))
+        return factor * (n - 1) * _bytes(_arg(a, k, i, *names)) // n
+
+    return share
+
+
+_SHARES = {
+    "all_reduce": _ring(2, 0, "tensor"),
+    "reduce_scatter_tensor": _ring(1, 1, "input"),
+    "all_gather_into_tensor": _ring(1, 0, "output_tensor"),
+    "all_gather_single": _ring(1, 0, "output_tensor", "output"),
+    "broadcast": _ring(1, 0, "tensor"),
+    "isend": lambda *a, **k: _bytes(_arg(a, k, 0, "tensor")),
+    "send": lambda *a, **k: _bytes(_arg(a, k, 0, "tensor")),
+}
+for _name, _share in _SHARES.items():
+    if hasattr(dist, _name):
+        setattr(dist, _name, _counting(getattr(dist, _name), _share))
+collectives._all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _counting_allreduce_hook(process_group, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # default_hooks.allreduce_hook calls dist.all_reduce, which counts it
+    return default_hooks.allreduce_hook(process_group, bucket)
+
+
+def _counting_ddp(build):
+    """fairseq's DistributedDataParallel (a function here: fairseq_oss's CPU fixes wrap
+    PyTorch's class), with the counting hook registered on what it builds."""
+
+    def ddp(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.register_comm_hook(kwargs.get("process_group"), _counting_allreduce_hook)
+        return model
+
+    return ddp
+
+
+if os.environ.get("COMM_PROBE_COUNT"):
+    distributed_fairseq_model.DistributedDataParallel = _counting_ddp(distributed_fairseq_model.DistributedDataParallel)
+
+_train_step, _task_step, _optimizer_step = Trainer.train_step, FairseqTask.train_step, FairseqTask.optimizer_step
+
+
+def _grad_bytes(trainer):
+    params = list(trainer.model.parameters()) + list(trainer.criterion.parameters())
+    total = sum(_bytes(p.grad) for p in params if p.grad is not None)
+    reducer = getattr(trainer.optimizer, "_reducer", None)
+    if reducer is not None:
+        held = reducer.held_bytes()
+        total += held["shards"] + held["staging"]
+    return total
+
+
+def train_step(self, *args, **kwargs):
+    _now["sent"], _now["grad_bytes"] = 0, None
+    t0 = time.perf_counter()
+    out = _train_step(self, *args, **kwargs)
+    RECORD["seconds"].append(time.perf_counter() - t0)
+    RECORD["sent"].append(_now["sent"])
+    RECORD["grad_bytes"].append(_now["grad_bytes"])
+    return out
+
+
+def task_train_step(self, *args, **kwargs):
+    out = _task_step(self, *args, **kwargs)
+    _now["backward_end"] = time.perf_counter()
+    return out
+
+
+def optimizer_step(self, optimizer, model, update_num):
+    trainer_grads = _now.get("trainer")
+    if trainer_grads is not None:
+        _now["grad_bytes"] = _grad_bytes(trainer_grads)
+    out = _optimizer_step(self, optimizer, model, update_num)
+    RECORD["after_backward"].append(time.perf_counter() - _now["backward_end"])
+    return out
+
+
+_init = Trainer.__init__
+
+
+def init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    _now["trainer"] = self
+
+
+def dump():
+    if not _OUT or not RECORD["seconds"]:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    os.makedirs(_OUT, exist_ok=True)
+    with open(os.path.join(_OUT, f"rank{rank}.json"), "w") as f:
+        json.dump(RECORD, f)
+
+
+Trainer.__init__ = init
+Trainer.train_step = train_step
+FairseqTask.train_step = task_train_step
+FairseqTask.optimizer_step = optimizer_step
+atexit.register(dump)
