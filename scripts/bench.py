@@ -90,11 +90,16 @@ def fairseq_run(args, save_dir, world_size, max_update, probe_out, extra=()):
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:2])} ... failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return read_ranks(probe_out, world_size), wall
+
+
+def read_ranks(probe_out, world_size):
+    """Every rank's probe record (``rank{R}.json`` in ``probe_out``), in rank order."""
     ranks = []
     for r in range(world_size):
         with open(os.path.join(probe_out, f"rank{r}.json")) as f:
             ranks.append(json.load(f))
-    return ranks, wall
+    return ranks
 
 
 def same_params(a, b):

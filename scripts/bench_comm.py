@@ -35,24 +35,22 @@ CONTENDERS = {
 TIMED = ["adam", "oss_adam all_reduce", "oss_adam reduce_scatter"]
 
 
-def run(name, data, work, world_size, updates, count):
+def run(name, data, work, world_size, updates, count, bucket_mb=None):
     out = os.path.join(work, f"probe-{name.replace(' ', '_')}-{world_size}-{count}-{time.time_ns()}")
     cmd = [os.path.join(bench.BIN, "fairseq-train"), *bench.model_args(SIZE, data), *CONTENDERS[name],
            "--save-dir", os.path.join(work, "save"), "--no-save", "--max-update", str(updates),
            "--user-dir", PROBE]
     if world_size > 1:
         cmd += ["--distributed-world-size", str(world_size)]
+    if bucket_mb is not None and "oss_adam" in name:
+        cmd += ["--oss-bucket-mb", str(bucket_mb)]
     env = dict(bench.env(), COMM_PROBE_OUT=out)
     if count:
         env["COMM_PROBE_COUNT"] = "1"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} at {world_size} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    ranks = []
-    for r in range(world_size):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            ranks.append(json.load(f))
-    return ranks
+    return bench.read_ranks(out, world_size)
 
 
 def steady(values):
@@ -64,6 +62,7 @@ def main(argv=None):
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds at 2 ranks (0: none)")
     ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="oss_adam's --oss-bucket-mb (default: its own)")
     args = ap.parse_args(argv)
     t0 = time.time()
     work = tempfile.mkdtemp(prefix="fairseq-oss-comm-")
@@ -76,7 +75,7 @@ def main(argv=None):
     for ws in args.world_sizes:
         for name in CONTENDERS:
             print(f"bench_comm: counting {name} at {ws} ranks ...", flush=True)
-            ranks = run(name, data, work, ws, 6, count=True)
+            ranks = run(name, data, work, ws, 6, count=True, bucket_mb=args.bucket_mb)
             counts[f"{name}@{ws}"] = {
                 "sent": statistics.mean(steady(r["sent"]) for r in ranks),
                 "grad_bytes": max(steady(r["grad_bytes"]) for r in ranks),
@@ -85,7 +84,7 @@ def main(argv=None):
     for i in range(args.rounds):
         for name in TIMED:
             print(f"bench_comm: timing round {i + 1}: {name} ...", flush=True)
-            r0 = run(name, data, work, 2, args.updates, count=False)[0]
+            r0 = run(name, data, work, 2, args.updates, count=False, bucket_mb=args.bucket_mb)[0]
             times[name]["seconds"].append(steady(r0["seconds"]))
             times[name]["after_backward"].append(steady(r0["after_backward"]))
 
@@ -110,7 +109,7 @@ def main(argv=None):
                 cells += ["-", "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
-            f"(tied embedding); fp32, gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
+            f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; fp32, gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
             "Bytes: counted at the collectives as NCCL's ring algorithms send them, mean over ranks, median over "
             "updates 3 and later. Grad MB held: the largest rank, after the reduction. Times: interleaved rounds, "
             "rank 0, medians.")
