@@ -1,6 +1,7 @@
 """The fairseq plugin: the only code that imports or patches fairseq.
 
-Owns oss_adam's registration and config (:mod:`.optimizer`), the CPU launch fixes
+Owns oss_adam's registration and config (:mod:`.optimizer`), the model wrapper that
+leaves the gradients' reduction to oss_adam (:mod:`.grad_sync`), the CPU launch fixes
 (:mod:`.compat`), and fairseq's save path (:mod:`.save_path`, with the ``--keep-*``
 rules of asynchronous saves, :mod:`.pruning`), load path (:mod:`.load_path`) and
 launcher (:mod:`.launcher`), each patch installed once (:mod:`.patching`) and doing

@@ -85,6 +85,7 @@ class SyncSwitch:
         # PyTorch's DDP leaves a parameter no rank used without a gradient; legacy DDP
         # gives every parameter one (zeros).
         self.unused = "skip" if self.divide == "mul" else "zero"
+        self.reducer = None  # the GradReducer of the optimizer built last over these parameters
 
     def __call__(self) -> bool:
         return self.enabled

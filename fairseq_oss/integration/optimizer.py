@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from fairseq import optim
 from fairseq.distributed import utils as distributed_utils
-from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.dataclass import ChoiceEnum
+from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from omegaconf import OmegaConf, open_dict
 
@@ -66,7 +66,10 @@ class FairseqOSSAdamConfig(FairseqAdamConfig):
 
 @register_optimizer("oss_adam", dataclass=FairseqOSSAdamConfig)
 class FairseqOSSAdam(FairseqOptimizer):
-    """fairseq's Adam with its state sharded across the data-parallel ranks (ZeRO-1).
+    """fairseq's Adam with its state sharded across the data-parallel ranks (ZeRO-1) and,
+    with ``--oss-grad-reduction`` reduce_scatter (fp32's default), its gradients
+    reduce-scattered into each rank's shard during backward (ZeRO-2): then
+    ``all_reduce_grads``, ``multiply_grads`` and ``clip_grad_norm`` work on the shards.
 
     Checkpoints hold the state un-sharded, in the format ``--optimizer adam`` writes;
     the trainer's ``consolidate_optimizer()`` gathers it before a save.
@@ -96,7 +99,10 @@ class FairseqOSSAdam(FairseqOptimizer):
         switch = grad_sync.switch_of(self._optimizer.params)
         self._reducer = None
         if switch is not None and self._optimizer.world_size > 1:
-            self._reducer = GradReducer(
+            # fairseq rebuilds its optimizer when it resumes: the previous one's hooks go.
+            if switch.reducer is not None:
+                switch.reducer.remove_hooks()
+            self._reducer = switch.reducer = GradReducer(
                 self._optimizer, unused=switch.unused, divide=switch.divide, sync_in_backward=switch
             )
         device = next(iter(self._optimizer._params), torch.empty(0)).device

@@ -1,0 +1,47 @@
+"""oss_adam's wrapper and reducer as fairseq's trainer drives them, in-process at 2 ranks:
+``no_sync`` keeps a backward local, ``all_reduce_grads`` finishes the reduction, and an
+optimizer built again over the same parameters (fairseq rebuilds it when it resumes)
+takes the hooks over from the previous one."""
+from types import SimpleNamespace
+
+import torch
+
+from models import make_model
+from ranks import run_ranks
+
+
+def rebuild_job(rank, world_size):
+    from fairseq_oss.integration.grad_sync import ShardedGradDataParallel, SyncSwitch
+    from fairseq_oss.integration.optimizer import FairseqOSSAdam
+
+    model = make_model()
+    wrapper = ShardedGradDataParallel(model, None, SyncSwitch("pytorch_ddp"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    cfg = SimpleNamespace(lr=[1e-3], adam_betas="(0.9, 0.999)", adam_eps=1e-8, weight_decay=0.0,
+                          oss_bucket_mb=0.0005, fp16_adam_stats=False, tpu=False)
+    first, second = FairseqOSSAdam(cfg, params), FairseqOSSAdam(cfg, params)
+
+    def backward():
+        idx = torch.arange(rank, rank + 4)
+        h = model["fc2"](torch.relu(model["fc1"](model["embed"](idx))))
+        model["sometimes"](h).sum().backward()
+
+    out = {}
+    with wrapper.no_sync():
+        backward()
+    out["started_in_no_sync"] = second._reducer._next
+    backward()
+    out["started"] = second._reducer._next
+    second.all_reduce_grads(wrapper)
+    out["first_untouched"] = first._reducer._next == 0 and not any(first._reducer._used)
+    out["reduced"] = second._optimizer.reduced_grads() is not None
+    out["grads_left"] = sum(p.grad is not None for p in params)
+    out["buckets"] = len(second._optimizer.partition.buckets)
+    return out
+
+
+def test_no_sync_rebuild_and_all_reduce_grads():
+    for r in run_ranks(2, rebuild_job):
+        assert r["buckets"] > 1
+        assert r["started_in_no_sync"] == 0 and r["started"] > 0
+        assert r["first_untouched"] and r["reduced"] and r["grads_left"] == 0
