@@ -11,7 +11,8 @@ reduction in backward off for fairseq's ``--update-freq`` micro-batches. oss_ada
 """
 import contextlib
 import logging
-from typing import Optional
+import weakref
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,16 +92,17 @@ class SyncSwitch:
         return self.enabled
 
 
-# The attribute by which a parameter names its wrapper's switch (tensors hash by
-# identity but compare by value, so no dict keyed by parameters).
-_ATTR = "_oss_adam_sync_switch"
+# Each wrapped parameter's switch, by the parameter's id; an entry goes with its parameter
+# (tensors compare by value, so they cannot key a dict themselves, and an attribute on the
+# parameter would be pickled with it by torch.save, reducer and process group included).
+_SWITCHES: Dict[int, SyncSwitch] = {}
 
 
 def switch_of(params) -> Optional[SyncSwitch]:
     """The switch of the wrapper around ``params`` (any of them), or None when no
     :class:`ShardedGradDataParallel` holds them (fairseq's own wrapper reduces them)."""
     for p in params:
-        found = getattr(p, _ATTR, None)
+        found = _SWITCHES.get(id(p))
         if found is not None:
             return found
     return None
@@ -120,7 +122,9 @@ class ShardedGradDataParallel(torch.nn.Module):
         self.switch = switch
         self.broadcast_buffers = broadcast_buffers
         for p in module.parameters():
-            setattr(p, _ATTR, switch)
+            if id(p) not in _SWITCHES:
+                weakref.finalize(p, _SWITCHES.pop, id(p), None)
+            _SWITCHES[id(p)] = switch
         self._broadcast(list(module.parameters()) + list(module.buffers()))
 
     def _broadcast(self, tensors) -> None:
