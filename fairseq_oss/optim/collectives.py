@@ -83,27 +83,29 @@ def wait_all(works: Sequence) -> None:
 
 
 def exchange_pieces(
-    mine: Sequence[torch.Tensor], theirs: Dict[int, Sequence[torch.Tensor]], slot: int, group
-) -> list:
+    mine: Sequence[torch.Tensor], theirs: Dict[int, Sequence[torch.Tensor]], tags: Sequence[int], group
+) -> Tuple[Dict[int, list], list]:
     """Start sending this rank's tensors ``mine`` to every rank in ``theirs`` and receiving
     rank ``r``'s tensors into ``theirs[r]``, in place (no staging buffer: the tensors may
-    be views into parameters). Returns the works for :func:`wait_all`. Every rank passes
-    the same layout: rank ``r``'s ``mine`` matches ``theirs[r]`` on every other rank,
-    tensor for tensor. ``slot`` tells apart the messages of two exchanges in flight at
-    once (consecutive slots must differ).
+    be views into parameters), one message per tensor and peer. Every rank passes the same
+    layout: rank ``r``'s ``mine`` matches ``theirs[r]`` on every other rank, tensor for
+    tensor, and rank ``r``'s ``j``-th tensor travels with tag ``tags[r] + j`` (tags that
+    no other transfer in flight between the same ranks uses). Returns the works: the
+    receives by rank, in ``theirs[r]``'s order, and the sends, for :func:`wait_all`.
 
     .. warning:: Collective: call on all ranks.
     """
-    works = []
-    for r, tensors in theirs.items():
-        src = global_rank(group, r)
-        for j, t in enumerate(tensors):
-            works.append(dist.irecv(t, src=src, group=group, tag=2 * j + slot % 2))
-    for r in theirs:
-        dst = global_rank(group, r)
-        for j, t in enumerate(mine):
-            works.append(dist.isend(t, dst=dst, group=group, tag=2 * j + slot % 2))
-    return works
+    _, rank = world_size_and_rank(group)
+    recvs = {
+        r: [dist.irecv(t, src=global_rank(group, r), group=group, tag=tags[r] + j) for j, t in enumerate(tensors)]
+        for r, tensors in theirs.items()
+    }
+    sends = [
+        dist.isend(t, dst=global_rank(group, r), group=group, tag=tags[rank] + j)
+        for r in theirs
+        for j, t in enumerate(mine)
+    ]
+    return recvs, sends
 
 
 def gather_shards(

@@ -2,7 +2,8 @@
 
 Owns the optimizer step and the mapping between the sharded state and the plain
 ``torch.optim`` state-dict format. The layout comes from :mod:`fairseq_oss.optim.partition`;
-the collectives live in :mod:`fairseq_oss.optim.collectives`; moving the state into a
+the collectives live in :mod:`fairseq_oss.optim.collectives`, the step's hand-over of
+the updated shards in :mod:`fairseq_oss.optim.param_exchange`; moving the state into a
 checkpoint and back is :mod:`fairseq_oss.checkpoint`'s job, through this class's public
 accessors (:meth:`ShardedAdam.state_shards`, :meth:`ShardedAdam.fill_shards`, ...). It does
 no file I/O and does not touch fairseq.
@@ -29,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from fairseq_oss.optim import collectives, gather
+from fairseq_oss.optim.param_exchange import ParamExchange
 from fairseq_oss.optim.partition import Bucket, ParamSpec, Partition, Piece, bucket_count, partition
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -65,6 +67,9 @@ class ShardedAdam(torch.optim.Optimizer):
             stages through temporary buffers of its own, else ``"all_gather"`` (NCCL).
         max_buckets: refuse a bucket size that makes more buckets than this
             (:class:`TooManyBuckets`), before anything is allocated; ``None``: no limit.
+        defer_exchange: :meth:`step` returns with the exchange in flight; whoever reads
+            the parameters waits on :attr:`param_exchange` first (see
+            :mod:`fairseq_oss.optim.param_reads`). Also settable as an attribute.
 
     Raises:
         ValueError: for ``amsgrad=True`` (fairseq never enables it), a sparse or
@@ -100,6 +105,7 @@ class ShardedAdam(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         exchange: Optional[str] = None,
         max_buckets: Optional[int] = None,
+        defer_exchange: bool = False,
     ):
         if amsgrad:
             raise ValueError("ShardedAdam does not implement amsgrad")
@@ -149,7 +155,8 @@ class ShardedAdam(torch.optim.Optimizer):
             dtype = _state_dtype(p0.dtype)
             self._exp_avg.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
             self._exp_avg_sq.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
-        self._gather_buffers: Dict[str, List[torch.Tensor]] = {}
+        self.param_exchange = ParamExchange(self._params, self.partition.buckets, self._shards, exchange, process_group)
+        self.defer_exchange = defer_exchange
         # (shards, used) of a reduce-scatter, for the next step; None: use ``.grad``.
         self._reduced: Optional[Tuple[List[torch.Tensor], List[bool]]] = None
         self._consolidated: Optional[Dict[int, Dict[str, torch.Tensor]]] = None
@@ -163,20 +170,6 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _flat(self, index: int) -> torch.Tensor:
         return self._params[index].data.view(-1)
-
-    def _buffer(self, bucket: Bucket, slot: int) -> torch.Tensor:
-        """One of two reusable gather buffers for the bucket's dtype and device."""
-        buffers = self._gather_buffers.get(bucket.kind)
-        if buffers is None:
-            size = max(b.shard_numel for b in self.partition.buckets if b.kind == bucket.kind)
-            p0 = self._params[bucket.pieces[0].param]
-            # Two, so that one bucket is filled while the previous one is still in flight.
-            buffers = [
-                torch.empty(size * self.world_size, dtype=p0.dtype, device=p0.device)
-                for _ in range(2)
-            ]
-            self._gather_buffers[bucket.kind] = buffers
-        return buffers[slot % len(buffers)][: bucket.shard_numel * self.world_size]
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -202,7 +195,8 @@ class ShardedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Update this rank's shard of every parameter, in place, then exchange the
-        buckets' shards so that every rank holds the full updated parameters.
+        buckets' shards so that every rank holds the full updated parameters (or, with
+        ``defer_exchange``, will hold them once :attr:`param_exchange` is waited for).
 
         .. warning:: Collective: call on all ranks.
         """
@@ -222,15 +216,14 @@ class ShardedAdam(torch.optim.Optimizer):
                         )
                     self._steps[i] += 1
 
-        pending = None  # (bucket, exchange) in flight: it overlaps the next bucket's update
+        # What the previous step left in flight: the updates below write into the memory
+        # its sends read from.
+        self.param_exchange.wait_all()
         for b in self.partition.buckets:
             self._update_shard(b)
-            started = self._start_exchange(b)
-            if pending is not None:
-                self._finish_exchange(*pending)
-            pending = (b, started)
-        if pending is not None:
-            self._finish_exchange(*pending)
+            self.param_exchange.start(b)  # in flight while the next bucket is updated
+        if not self.defer_exchange:
+            self.param_exchange.wait_all()
         self._reduced = None
         return loss
 
@@ -279,43 +272,6 @@ class ShardedAdam(torch.optim.Optimizer):
             _adam_update(p_fp32, grad, exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param], group)
             if p_fp32 is not p:
                 p.copy_(p_fp32)
-
-    def _start_exchange(self, bucket: Bucket):
-        """Start giving every rank this rank's updated shard of ``bucket`` and receiving
-        theirs (collective). Point to point straight between the parameters (gloo, whose
-        all-gather stages through temporary buffers), or one all-gather of the bucket
-        through a gather buffer (NCCL's fast path); ``self.exchange`` says which."""
-        if self.world_size == 1:
-            return None
-        if self.exchange == "p2p":
-            mine = [self._piece_view(pc) for pc in self._shards[bucket.index][self.rank]]
-            theirs = {
-                r: [self._piece_view(pc) for pc in self._shards[bucket.index][r]]
-                for r in range(self.world_size)
-                if r != self.rank
-            }
-            return collectives.exchange_pieces(mine, theirs, bucket.index, self.process_group)
-        buf = self._buffer(bucket, bucket.index)
-        c = bucket.shard_numel
-        shard = buf[self.rank * c : (self.rank + 1) * c]
-        for pc in self._shards[bucket.index][self.rank]:
-            shard[pc.offset : pc.offset + pc.numel].copy_(self._piece_view(pc))
-        return buf, collectives.all_gather_bucket(buf, shard, self.process_group, self.world_size)
-
-    def _finish_exchange(self, bucket: Bucket, started) -> None:
-        if started is None:
-            return
-        if self.exchange == "p2p":
-            collectives.wait_all(started)
-            return
-        buf, work = started
-        collectives.wait(work)
-        c = bucket.shard_numel
-        for r in range(self.world_size):
-            if r == self.rank:  # already in place
-                continue
-            for pc in self._shards[bucket.index][r]:
-                self._piece_view(pc).copy_(buf[r * c + pc.offset : r * c + pc.offset + pc.numel])
 
     # ------------------------------------------------------------------ state dict
 
