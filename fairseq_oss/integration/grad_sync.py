@@ -7,7 +7,10 @@ reduces nothing itself. It makes the ranks' parameters equal at the start (as DD
 broadcasts buffers when ``--broadcast-buffers`` asks, and its ``no_sync()`` turns the
 reduction in backward off for fairseq's ``--update-freq`` micro-batches. oss_adam's
 :class:`~fairseq_oss.optim.grad_reduction.GradReducer` does the reduction, driven by the
-:class:`SyncSwitch` that the wrapper registers for its parameters.
+:class:`SyncSwitch` that the wrapper registers for its parameters. oss_adam's step then
+leaves its parameters' exchange in flight, and the wrapper makes every read of a
+parameter wait for it (:mod:`fairseq_oss.optim.param_reads`): its forward waits parameter
+by parameter, anything else that reads the model waits for all.
 """
 import contextlib
 import logging
@@ -23,6 +26,7 @@ from omegaconf import OmegaConf, open_dict
 from fairseq_oss.integration import patching
 from fairseq_oss.integration.patching import ORIGINAL
 from fairseq_oss.optim import collectives
+from fairseq_oss.optim.param_reads import ReadGuard, install_read_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +80,11 @@ def refusal(cfg) -> Optional[str]:
 
 
 class SyncSwitch:
-    """Whether the backward now running reduces its gradients (False inside ``no_sync``),
-    and how fairseq's DDP backend would treat them: ``unused`` and ``divide`` as
-    :class:`~fairseq_oss.optim.grad_reduction.GradReducer` takes them."""
+    """What the wrapper and the oss_adam built over the same parameters share: whether
+    the backward now running reduces its gradients (False inside ``no_sync``), how
+    fairseq's DDP backend would treat them (``unused`` and ``divide`` as
+    :class:`~fairseq_oss.optim.grad_reduction.GradReducer` takes them), and that
+    optimizer's reducer and parameter exchange."""
 
     def __init__(self, backend: str):
         self.enabled = True
@@ -87,6 +93,7 @@ class SyncSwitch:
         # gives every parameter one (zeros).
         self.unused = "skip" if self.divide == "mul" else "zero"
         self.reducer = None  # the GradReducer of the optimizer built last over these parameters
+        self.exchange = None  # and its ParamExchange, which its steps leave in flight
 
     def __call__(self) -> bool:
         return self.enabled
@@ -121,6 +128,8 @@ class ShardedGradDataParallel(torch.nn.Module):
         self.process_group = process_group
         self.switch = switch
         self.broadcast_buffers = broadcast_buffers
+        self.reads = ReadGuard(lambda: switch.exchange)
+        install_read_hooks(module, self.reads)
         for p in module.parameters():
             if id(p) not in _SWITCHES:
                 weakref.finalize(p, _SWITCHES.pop, id(p), None)
@@ -137,7 +146,7 @@ class ShardedGradDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
             self._broadcast(list(self.module.buffers()))
-        return self.module(*args, **kwargs)
+        return self.reads.forward(self.module, *args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):

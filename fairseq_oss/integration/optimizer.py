@@ -99,12 +99,19 @@ class FairseqOSSAdam(FairseqOptimizer):
         switch = grad_sync.switch_of(self._optimizer.params)
         self._reducer = None
         if switch is not None and self._optimizer.world_size > 1:
-            # fairseq rebuilds its optimizer when it resumes: the previous one's hooks go.
+            # fairseq rebuilds its optimizer when it resumes: the previous one's hooks go,
+            # and what its last step left in flight is waited for.
             if switch.reducer is not None:
                 switch.reducer.remove_hooks()
+            if switch.exchange is not None:
+                switch.exchange.wait_all()
             self._reducer = switch.reducer = GradReducer(
                 self._optimizer, unused=switch.unused, divide=switch.divide, sync_in_backward=switch
             )
+            # The wrapper's forward and hooks wait for the parameters (param_reads): the
+            # step can return with their exchange in flight, behind the next forward.
+            self._optimizer.defer_exchange = True
+            switch.exchange = self._optimizer.param_exchange
         device = next(iter(self._optimizer._params), torch.empty(0)).device
         per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
         logger.info(

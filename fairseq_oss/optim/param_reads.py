@@ -1,0 +1,89 @@
+"""Where a model waits for the parameters that a deferred step is still handing over.
+
+With ``ShardedAdam(defer_exchange=True)`` the step returns while the other ranks' updated
+shards are still arriving (:mod:`fairseq_oss.optim.param_exchange`). No read of a
+parameter may come before its pieces have: this module puts the waits where the reads are.
+
+* **The training forward** runs under :class:`WaitForParams`, a ``TorchFunctionMode``: every
+  torch function called with a parameter (or a view of one) among its arguments first waits
+  for that parameter alone, so the first layer computes while the last ones are still on
+  their way. It sees the parameters where they are used, not where they are owned: a module
+  that hands a child's weight to a functional call without calling the child (fairseq's
+  ``MultiheadAttention`` passes ``q_proj.weight`` to ``F.multi_head_attention_forward``)
+  waits too, where a forward pre-hook on each module, as Megatron's distributed optimizer
+  uses, would let it read a stale weight.
+* **Everything else waits for all of it** (:func:`install_read_hooks`): a forward of any
+  module outside that mode (a generator calling ``model.encoder``), ``state_dict()`` (saves,
+  EMA), ``load_state_dict()`` of any module of the model; and the next step.
+
+Nothing here is collective: a rank waits for its own messages.
+"""
+from typing import Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fairseq_oss.optim.param_exchange import ParamExchange
+
+
+class WaitForParams(TorchFunctionMode):
+    """Within the block, a torch function waits for the parameters among its arguments
+    (tensors, or tensors in lists and tuples) that ``exchange`` has not received yet.
+    Once everything has arrived it only passes calls through."""
+
+    def __init__(self, exchange: ParamExchange):
+        super().__init__()
+        self.exchange = exchange
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.exchange.unread:
+            self._wait_for(args)
+            self._wait_for(kwargs.values())
+        return func(*args, **kwargs)
+
+    def _wait_for(self, values) -> None:
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                self.exchange.wait_tensor(v)
+            elif isinstance(v, (list, tuple)):
+                self._wait_for(v)
+
+
+class ReadGuard:
+    """The waits for one model: :meth:`forward` runs a forward under :class:`WaitForParams`,
+    and the hooks that :func:`install_read_hooks` installs call :meth:`wait_all` unless
+    such a forward is running. ``exchange()`` returns the exchange of the optimizer built
+    last over the model's parameters (None: nothing to wait for)."""
+
+    def __init__(self, exchange: Callable[[], Optional[ParamExchange]]):
+        self.exchange = exchange
+        self.in_forward = False
+
+    def forward(self, module, *args, **kwargs):
+        exchange = self.exchange()
+        if exchange is None or not exchange.unread or self.in_forward:
+            return module(*args, **kwargs)
+        self.in_forward = True
+        try:
+            with WaitForParams(exchange):
+                return module(*args, **kwargs)
+        finally:
+            self.in_forward = False
+
+    def wait_all(self, *_args, **_kwargs) -> None:
+        exchange = self.exchange()
+        if exchange is not None and exchange.in_flight and not self.in_forward:
+            exchange.wait_all()
+
+
+def install_read_hooks(model: torch.nn.Module, guard: ReadGuard) -> list:
+    """Make every module of ``model`` wait for all the parameters in flight before its
+    forward (outside :meth:`ReadGuard.forward`), its ``state_dict()`` and its
+    ``load_state_dict()``. Returns the hooks' handles."""
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(guard.wait_all))
+        handles.append(m.register_state_dict_pre_hook(guard.wait_all))
+        handles.append(m.register_load_state_dict_pre_hook(guard.wait_all))
+    return handles
