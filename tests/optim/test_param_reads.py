@@ -1,0 +1,119 @@
+"""No rank reads a stale parameter when ShardedAdam's step returns with its exchange in
+flight (``defer_exchange``): on 1, 2 and 3 CPU ranks with gloo, through both exchanges.
+
+Each read comes right after a step that rank 0 takes before the other ranks have taken
+theirs (they wait for it on a second process group, then step), so when rank 0 reads,
+its parameters' other pieces have not been waited for (asserted) and may not have been
+sent yet. Every read must see what fairseq's Adam, stepped on the same gradients, holds:
+a forward through :class:`ReadGuard` in which a module reads a child's weight without
+calling the child (as fairseq's MultiheadAttention does), a child module called outside
+that forward, ``state_dict()`` (a save right after the step), and ``load_state_dict()``
+(what it loads is not overwritten afterwards by pieces still arriving).
+"""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import SMALL_BUCKET, build, run_steps
+from ranks import run_ranks
+
+
+class Reader(torch.nn.Module):
+    """The tests' model with a forward that reads every parameter: fc1's weight
+    functionally, the other layers by calling them."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        m = self.model
+        h = torch.relu(F.linear(m["embed"](idx), m["fc1"].weight, m["fc1"].bias))
+        return m["frozen"](m["sometimes"](m["fc2"](h)))
+
+
+def _inputs():
+    return torch.arange(0, 300, 7)
+
+
+def _step_before_the_others(rank, model, opt, ref, ref_opt, step, side):
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.barrier(group=side)
+        time.sleep(0.2)  # rank 0 reads meanwhile: any read that does not wait is stale
+    run_steps(model, opt, step, step)
+    run_steps(ref, ref_opt, step, step)
+    if rank == 0:
+        dist.barrier(group=side)
+    return sorted(opt.param_exchange.unread)
+
+
+def reads_job(rank, world_size, exchange, bucket_bytes):
+    import torch.distributed as dist
+
+    from fairseq_oss.optim.param_reads import ReadGuard, install_read_hooks
+
+    side = dist.new_group(backend="gloo")  # its barrier does not queue behind an all-gather
+    model, opt, ref, ref_opt = build(bucket_bytes, exchange)
+    opt.defer_exchange = True
+    reader, ref_reader = Reader(model), Reader(ref)
+    guard = ReadGuard(lambda: opt.param_exchange)
+    install_read_hooks(reader, guard)
+    # Steps with nothing read between them: each step waits for the previous one's exchange.
+    run_steps(model, opt, 1, 4)
+    run_steps(ref, ref_opt, 1, 4)
+    out = {"unread": [], "exchange": opt.exchange}
+
+    out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 5, side))
+    with torch.no_grad():
+        out["forward"] = (guard.forward(reader, _inputs()), ref_reader(_inputs()))
+    out["unread_after_forward"] = sorted(opt.param_exchange.unread)
+
+    out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 6, side))
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        out["child"] = (model["fc2"](x), ref["fc2"](x))
+
+    out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 7, side))
+    out["state_dict"] = ({k: v.clone() for k, v in reader.state_dict().items()},
+                         {k: v.clone() for k, v in ref_reader.state_dict().items()})
+
+    earlier = {k: v.clone() for k, v in reader.state_dict().items()}
+    out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 8, side))
+    reader.load_state_dict(earlier)
+    opt.param_exchange.wait_all()  # anything still arriving would land now
+    out["loaded"] = ({k: v.clone() for k, v in reader.state_dict().items()}, earlier)
+    dist.destroy_process_group(side)
+    return out
+
+
+def _assert_equal(pair, what):
+    got, want = pair
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), what
+        for k in want:
+            assert torch.equal(got[k], want[k]), (what, k)
+    else:
+        assert torch.equal(got, want), what
+
+
+# The all-gather reuses two gather buffers: a step over more than two buckets of a kind
+# waits for the first ones' all-gathers, which the other ranks join only in their own step.
+# So rank 0 can step ahead of them with one bucket per kind only (the default size).
+@pytest.mark.parametrize("exchange, bucket_bytes", [(None, SMALL_BUCKET), ("all_gather", 32 * 2**20)],
+                         ids=["default-exchange", "all-gather"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_no_read_right_after_a_deferred_step_is_stale(world_size, exchange, bucket_bytes):
+    results = run_ranks(world_size, reads_job, exchange, bucket_bytes, timeout=120)
+    assert results[0]["exchange"] == (exchange or "p2p")
+    for rank, res in enumerate(results):
+        for what in ("forward", "child", "state_dict", "loaded"):
+            _assert_equal(res[what], (rank, what))
+    # Each read did come with pieces not waited for yet (none at one rank: nothing to exchange).
+    for unread in results[0]["unread"]:
+        assert bool(unread) == (world_size > 1)
+    # The forward waited for what it read, all of it here (fc1 through F.linear included).
+    assert results[0]["unread_after_forward"] == []
