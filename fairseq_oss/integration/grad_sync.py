@@ -20,6 +20,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
+from fairseq import trainer as fairseq_trainer
 from fairseq.trainer import Trainer
 from omegaconf import OmegaConf, open_dict
 
@@ -115,6 +116,15 @@ def switch_of(params) -> Optional[SyncSwitch]:
     return None
 
 
+def wait_for_params(params) -> None:
+    """Wait until ``params`` (any of them wrapped by :class:`ShardedGradDataParallel`) hold
+    what oss_adam's last step computed: its exchange runs behind the next forward, and a
+    read outside the model's modules (a deep copy) does not wait by itself."""
+    switch = switch_of(params)
+    if switch is not None and switch.exchange is not None:
+        switch.exchange.wait_all()
+
+
 class ShardedGradDataParallel(torch.nn.Module):
     """Data parallelism without a gradient all-reduce (oss_adam reduce-scatters them).
 
@@ -200,5 +210,16 @@ def _criterion(self):
     return ORIGINAL["criterion"].fget(self)
 
 
-PATCHES = [(Trainer, "model", property(_model)), (Trainer, "criterion", property(_criterion))]
+def build_ema(model, cfg, device):
+    """fairseq's ``build_ema``, which deep-copies the model: the trainer builds it right
+    after the first step, when the parameters may still be arriving."""
+    wait_for_params(model.parameters())
+    return ORIGINAL["build_ema"](model, cfg, device)
+
+
+PATCHES = [
+    (Trainer, "model", property(_model)),
+    (Trainer, "criterion", property(_criterion)),
+    (fairseq_trainer, "build_ema", build_ema),
+]
 patching.apply(PATCHES)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import re
 
@@ -72,6 +73,24 @@ def test_clipping_that_acts_and_update_freq_3(data, base, tmp_path):
     assert all(float(g) > 0.5 for g in gnorms(logs["adam"]))  # clipping acted on every update
     assert_same_training_state(ckpt(dirs["ar"]), ckpt(dirs["adam"]))
     assert_close_training_state(ckpt(dirs["rs"]), ckpt(dirs["adam"]), SUM_ORDER_RTOL)
+
+
+def test_ema_right_after_each_step_equals_adams(data, tmp_path):
+    """--store-ema at 2 ranks: fairseq builds its EMA (a deep copy of the model) and
+    updates it right after each step, while oss_adam's exchange of the updated parameters
+    is still in flight (it runs behind the next forward): the EMA holds adam's bits."""
+    extra = ["--store-ema", "--ema-decay", "0.9", "--ema-start-update", "0"]
+    dirs = {opt: str(tmp_path / opt) for opt in ("adam", "oss_adam")}
+    for opt, d in dirs.items():
+        train(data, d, opt, 2, FIRST, extra=extra)
+    assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
+    got, want = (load(ckpt(dirs[opt]))["extra_state"]["ema"] for opt in ("oss_adam", "adam"))
+    assert got.keys() == want.keys() and len(want) > 0
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    # The EMA moved away from the model: it averaged the steps it was given.
+    model = load(ckpt(dirs["adam"]))["model"]
+    assert any(not torch.equal(model[name], t) for name, t in want.items() if t.is_floating_point())
 
 
 def test_checkpoint_is_plain_adam_format_and_size(base):
