@@ -66,7 +66,10 @@ class _AllGather:
         if self.copy_out is not None:
             collectives.wait(self.work)
             copy_out, self.copy_out = self.copy_out, None
-            copy_out()
+            # Writes into the parameters: a TorchFunctionMode that waits for the
+            # parameters it sees (param_reads) must not see these.
+            with torch._C.DisableTorchFunction():
+                copy_out()
 
 
 class ParamExchange:
@@ -203,7 +206,10 @@ class ParamExchange:
             self.wait(i)
 
     def _finish(self, bucket: int) -> None:
-        self._in_flight.pop(bucket).wait_all()
+        exchange = self._in_flight.pop(bucket, None)
+        if exchange is None:  # finished meanwhile
+            return
+        exchange.wait_all()
         self.unread.difference_update(
             pc.param for pc in self.buckets[bucket].pieces
             if not any(b in self._in_flight for b in self._buckets_of[pc.param])

@@ -11,7 +11,9 @@ parameter may come before its pieces have: this module puts the waits where the 
   that hands a child's weight to a functional call without calling the child (fairseq's
   ``MultiheadAttention`` passes ``q_proj.weight`` to ``F.multi_head_attention_forward``)
   waits too, where a forward pre-hook on each module, as Megatron's distributed optimizer
-  uses, would let it read a stale weight.
+  uses, would let it read a stale weight. Each module's forward pre-hook also waits for
+  the module's own parameters, for a forward that hands them to code the mode does not
+  see (a C++ extension reached without a torch function call on them).
 * **Everything else waits for all of it** (:func:`install_read_hooks`): a forward of any
   module outside that mode (a generator calling ``model.encoder``), ``state_dict()`` (saves,
   EMA), ``load_state_dict()`` of any module of the model; and the next step.
@@ -71,6 +73,20 @@ class ReadGuard:
         finally:
             self.in_forward = False
 
+    def before_forward(self, module, _args) -> None:
+        """A module's forward pre-hook. Inside :meth:`forward`: wait for the module's own
+        parameters, which its forward may hand to code that the mode does not see (a
+        C++ extension called without a torch function touching them first); outside:
+        wait for all."""
+        exchange = self.exchange()
+        if exchange is None or not exchange.in_flight:
+            return
+        if not self.in_forward:
+            exchange.wait_all()
+        elif exchange.unread:
+            for p in module.parameters(recurse=False):
+                exchange.wait_tensor(p)
+
     def wait_all(self, *_args, **_kwargs) -> None:
         exchange = self.exchange()
         if exchange is not None and exchange.in_flight and not self.in_forward:
@@ -78,12 +94,12 @@ class ReadGuard:
 
 
 def install_read_hooks(model: torch.nn.Module, guard: ReadGuard) -> list:
-    """Make every module of ``model`` wait for all the parameters in flight before its
-    forward (outside :meth:`ReadGuard.forward`), its ``state_dict()`` and its
-    ``load_state_dict()``. Returns the hooks' handles."""
+    """Make every module of ``model`` wait before its forward (for its own parameters
+    inside :meth:`ReadGuard.forward`, else for all the parameters in flight), its
+    ``state_dict()`` and its ``load_state_dict()`` (for all). Returns the hooks' handles."""
     handles = []
     for m in model.modules():
-        handles.append(m.register_forward_pre_hook(guard.wait_all))
+        handles.append(m.register_forward_pre_hook(guard.before_forward))
         handles.append(m.register_state_dict_pre_hook(guard.wait_all))
         handles.append(m.register_load_state_dict_pre_hook(guard.wait_all))
     return handles

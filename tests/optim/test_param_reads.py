@@ -6,11 +6,13 @@ theirs (they wait for it on a second process group, then step), so when rank 0 r
 its parameters' other pieces have not been waited for (asserted) and may not have been
 sent yet. Every read must see what fairseq's Adam, stepped on the same gradients, holds:
 a forward through :class:`ReadGuard` in which a module reads a child's weight without
-calling the child (as fairseq's MultiheadAttention does), a child module called outside
+calling the child (as fairseq's MultiheadAttention does) and another reads its own
+weight where no torch function sees it (as a C++ extension may), a child module called outside
 that forward, ``state_dict()`` (a save right after the step), and ``load_state_dict()``
 (what it loads is not overwritten afterwards by pieces still arriving).
 """
 import time
+import types
 
 import pytest
 import torch
@@ -32,6 +34,12 @@ class Reader(torch.nn.Module):
         m = self.model
         h = torch.relu(F.linear(m["embed"](idx), m["fc1"].weight, m["fc1"].bias))
         return m["frozen"](m["sometimes"](m["fc2"](h)))
+
+
+def _unseen_linear(self, x):
+    """fc2's forward as a C++ extension reads its weight: out of the mode's sight."""
+    with torch._C.DisableTorchFunction():
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 def _inputs():
@@ -59,6 +67,7 @@ def reads_job(rank, world_size, exchange, bucket_bytes):
     side = dist.new_group(backend="gloo")  # its barrier does not queue behind an all-gather
     model, opt, ref, ref_opt = build(bucket_bytes, exchange)
     opt.defer_exchange = True
+    model["fc2"].forward = types.MethodType(_unseen_linear, model["fc2"])
     reader, ref_reader = Reader(model), Reader(ref)
     guard = ReadGuard(lambda: opt.param_exchange)
     install_read_hooks(reader, guard)
