@@ -1,5 +1,6 @@
-"""What an update moves and holds: bytes sent per rank, gradient bytes held, and the
-update's time, for --optimizer adam, fairscale OSS (--zero-sharding os), and oss_adam
+"""What an update moves and holds: bytes sent per rank, gradient bytes held, peak resident
+memory, and the update's time, for --optimizer adam, fairscale OSS (--zero-sharding os),
+PyTorch's ZeroRedundancyOptimizer (registered by the probe as zero_adam), and oss_adam
 with its gradients reduce-scattered (the default) or all-reduced (--oss-grad-reduction
 all_reduce), through the real fairseq-train with a counting probe (scripts/comm_probe).
 
@@ -29,10 +30,11 @@ SIZE = dict(vocab=8000, lines=4000, dim=256, ffn=1024, layers=4, tokens=64, max_
 CONTENDERS = {
     "adam": ["--optimizer", "adam"],
     "fairscale OSS": ["--optimizer", "adam", "--zero-sharding", "os", "--ddp-backend", "legacy_ddp"],
+    "ZeroRedundancyOptimizer": ["--optimizer", "zero_adam"],
     "oss_adam all_reduce": ["--optimizer", "oss_adam", "--oss-grad-reduction", "all_reduce"],
     "oss_adam reduce_scatter": ["--optimizer", "oss_adam"],
 }
-TIMED = ["adam", "oss_adam all_reduce", "oss_adam reduce_scatter"]
+TIMED = ["adam", "ZeroRedundancyOptimizer", "oss_adam all_reduce", "oss_adam reduce_scatter"]
 
 
 def run(name, data, work, world_size, updates, count, bucket_mb=None):
@@ -80,18 +82,23 @@ def main(argv=None):
                 "sent": statistics.mean(steady(r["sent"]) for r in ranks),
                 "grad_bytes": max(steady(r["grad_bytes"]) for r in ranks),
             }
-    times = {name: {"seconds": [], "after_backward": []} for name in TIMED}
+    times = {name: {"seconds": [], "after_backward": [], "optimizer": [], "peak_rss_mb": []} for name in TIMED}
     for i in range(args.rounds):
         for name in TIMED:
             print(f"bench_comm: timing round {i + 1}: {name} ...", flush=True)
-            r0 = run(name, data, work, 2, args.updates, count=False, bucket_mb=args.bucket_mb)[0]
+            ranks = run(name, data, work, 2, args.updates, count=False, bucket_mb=args.bucket_mb)
+            r0 = ranks[0]
+            times[name]["peak_rss_mb"].append(max(r["peak_rss_mb"] for r in ranks))
             times[name]["seconds"].append(steady(r0["seconds"]))
             times[name]["after_backward"].append(steady(r0["after_backward"]))
+            # what training waits for the optimizer: after backward, and for parameters later
+            times[name]["optimizer"].append(steady([a + w for a, w in zip(r0["after_backward"], r0["param_wait"])]))
 
     lines = ["| contender | " + " | ".join(f"MB sent/rank/update N={ws} (x adam)" for ws in args.world_sizes)
-             + " | grad MB held/rank N=2 | " + ("s/update N=2 (x adam) | after backward s (x adam) |"
+             + " | grad MB held/rank N=2 | " + ("s/update N=2 (x adam) | after backward s (x adam) "
+                                                 "| after backward + parameter waits s (x adam) | peak RSS MB N=2 |"
                                                  if args.rounds else ""),
-             "|---" * (1 + len(args.world_sizes) + 1 + (2 if args.rounds else 0)) + "|"]
+             "|---" * (1 + len(args.world_sizes) + 1 + (4 if args.rounds else 0)) + "|"]
     for name in CONTENDERS:
         cells = []
         for ws in args.world_sizes:
@@ -104,15 +111,21 @@ def main(argv=None):
                 s, a = statistics.median(times[name]["seconds"]), statistics.median(times[name]["after_backward"])
                 bs = statistics.median(times["adam"]["seconds"])
                 ba = statistics.median(times["adam"]["after_backward"])
-                cells += [f"{s:.3f} ({s / bs:.2f}x)", f"{a:.4f} ({a / ba:.2f}x)"]
+                o = statistics.median(times[name]["optimizer"])
+                bo = statistics.median(times["adam"]["optimizer"])
+                cells += [f"{s:.3f} ({s / bs:.2f}x)", f"{a:.4f} ({a / ba:.2f}x)", f"{o:.4f} ({o / bo:.2f}x)",
+                          f"{statistics.median(times[name]['peak_rss_mb']):.0f}"]
             else:
-                cells += ["-", "-"]
+                cells += ["-", "-", "-", "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
             f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; fp32, gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
             "Bytes: counted at the collectives as NCCL's ring algorithms send them, mean over ranks, median over "
             "updates 3 and later. Grad MB held: the largest rank, after the reduction. Times: interleaved rounds, "
-            "rank 0, medians.")
+            "rank 0, medians. After backward: from the end of the last backward to the end of the step; parameter "
+            "waits: the time the update then spends waiting for parameters that the previous step left in flight "
+            "(oss_adam reduce_scatter: its exchange behind the next forward). Peak RSS: the larger rank's peak resident "
+            "memory over a timing run (ru_maxrss; model, data, torch and fairseq included), median over rounds.")
     table = "\n".join(lines)
     print(table)
     print(note)

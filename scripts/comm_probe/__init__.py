@@ -1,4 +1,5 @@
-"""Counting probe for scripts/bench_comm.py, loaded into fairseq-train with --user-dir.
+"""Counting probe for scripts/bench_comm.py, loaded into fairseq-train with --user-dir; it
+also registers ``--optimizer zero_adam`` (PyTorch's ZeroRedundancyOptimizer, a contender).
 
 Records on every rank, into $COMM_PROBE_OUT/rank{R}.json at exit, per update:
 
@@ -12,26 +13,34 @@ Records on every rank, into $COMM_PROBE_OUT/rank{R}.json at exit, per update:
 * ``grad_bytes``: gradient bytes this rank holds once the reduction is done (the
   parameters' ``.grad``, and oss_adam's reduced shards and staging buffers; not the
   flat bucket buffers that PyTorch's DDP keeps besides ``.grad``, which it does not expose);
+* ``peak_rss_mb``: the rank's peak resident memory over the run (``ru_maxrss``);
 * ``seconds``: the update's wall time, and ``after_backward``: from the end of the last
   micro-batch's backward to the end of the optimizer step (gradient reduction left over,
-  clipping, the step; for PyTorch's DDP the reduction's tail is inside backward).
+  clipping, the step; for PyTorch's DDP the reduction's tail is inside backward);
+  ``param_wait``: time spent in the update waiting for parameters that the previous
+  step left in flight (oss_adam under reduce_scatter defers its exchange behind the next
+  forward), outside the optimizer step (whose own waits are in ``after_backward``).
 """
 import atexit
 import json
 import os
+import resource
 import time
 
 import torch
 import torch.distributed as dist
 from fairseq.models import distributed_fairseq_model
+from fairseq.optim import FairseqOptimizer, register_optimizer
+from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
 from fairseq_oss.optim import collectives
+from fairseq_oss.optim.param_exchange import ParamExchange
 
 _OUT = os.environ.get("COMM_PROBE_OUT")
-RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": []}
-_now = {"sent": 0, "grad_bytes": None, "backward_end": None}
+RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": [], "param_wait": []}
+_now = {"sent": 0, "grad_bytes": None, "backward_end": None, "param_wait": 0.0, "in_step": False}
 
 
 def _n(group=None):
@@ -119,13 +128,31 @@ def _grad_bytes(trainer):
     return total
 
 
+def _timed_wait(fn):
+    def wrapped(*args, **kwargs):
+        if _now["in_step"]:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _now["param_wait"] += time.perf_counter() - t0
+
+    return wrapped
+
+
+ParamExchange.wait = _timed_wait(ParamExchange.wait)
+ParamExchange.wait_all = _timed_wait(ParamExchange.wait_all)
+
+
 def train_step(self, *args, **kwargs):
-    _now["sent"], _now["grad_bytes"] = 0, None
+    _now["sent"], _now["grad_bytes"], _now["param_wait"] = 0, None, 0.0
     t0 = time.perf_counter()
     out = _train_step(self, *args, **kwargs)
     RECORD["seconds"].append(time.perf_counter() - t0)
     RECORD["sent"].append(_now["sent"])
     RECORD["grad_bytes"].append(_now["grad_bytes"])
+    RECORD["param_wait"].append(_now["param_wait"])
     return out
 
 
@@ -139,7 +166,11 @@ def optimizer_step(self, optimizer, model, update_num):
     trainer_grads = _now.get("trainer")
     if trainer_grads is not None:
         _now["grad_bytes"] = _grad_bytes(trainer_grads)
-    out = _optimizer_step(self, optimizer, model, update_num)
+    _now["in_step"] = True
+    try:
+        out = _optimizer_step(self, optimizer, model, update_num)
+    finally:
+        _now["in_step"] = False
     RECORD["after_backward"].append(time.perf_counter() - _now["backward_end"])
     return out
 
@@ -152,9 +183,24 @@ def init(self, *args, **kwargs):
     _now["trainer"] = self
 
 
+@register_optimizer("zero_adam", dataclass=FairseqAdamConfig)
+class ZeroAdam(FairseqAdam):
+    """PyTorch's ZeroRedundancyOptimizer over torch.optim.Adam, with adam's flags, as a
+    contender: fairseq offers no switch for it. Each rank steps its own parameters, then
+    each parameter is broadcast from its owner; fairseq's DDP all-reduces the gradients."""
+
+    def __init__(self, cfg, params):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        FairseqOptimizer.__init__(self, cfg)
+        self._optimizer = ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.Adam,
+                                                  **self.optimizer_config)
+
+
 def dump():
     if not _OUT or not RECORD["seconds"]:
         return
+    RECORD["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(_OUT, exist_ok=True)
     with open(os.path.join(_OUT, f"rank{rank}.json"), "w") as f:
