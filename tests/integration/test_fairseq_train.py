@@ -75,14 +75,24 @@ def test_clipping_that_acts_and_update_freq_3(data, base, tmp_path):
     assert_close_training_state(ckpt(dirs["rs"]), ckpt(dirs["adam"]), SUM_ORDER_RTOL)
 
 
-def test_ema_right_after_each_step_equals_adams(data, tmp_path):
-    """--store-ema at 2 ranks: fairseq builds its EMA (a deep copy of the model) and
-    updates it right after each step, while oss_adam's exchange of the updated parameters
-    is still in flight (it runs behind the next forward): the EMA holds adam's bits."""
-    extra = ["--store-ema", "--ema-decay", "0.9", "--ema-start-update", "0"]
-    dirs = {opt: str(tmp_path / opt) for opt in ("adam", "oss_adam")}
-    for opt, d in dirs.items():
-        train(data, d, opt, 2, FIRST, extra=extra)
+def test_ema_and_validation_right_after_steps_equal_adams(data, tmp_path):
+    """At 2 ranks, what reads the parameters right after a step, while oss_adam's exchange
+    of them is still in flight (it runs behind the next forward): fairseq's EMA (built as a
+    deep copy of the model after the first step, then updated after each one) and
+    validation every 2 updates. Both see adam's bits: the EMA in the checkpoint, the
+    validation losses in the log."""
+    extra = ["--store-ema", "--ema-decay", "0.9", "--ema-start-update", "0", "--validate-interval-updates", "2"]
+    common = [c for c in COMMON if c != "--disable-validation"]
+    dirs, logs = {}, {}
+    for opt in ("adam", "oss_adam"):
+        dirs[opt] = str(tmp_path / opt)
+        os.makedirs(dirs[opt])
+        logs[opt] = run([os.path.join(BIN, "fairseq-train"), data, *common, "--optimizer", opt, "--save-dir",
+                         dirs[opt], "--max-update", str(FIRST), "--distributed-world-size", "2", *extra],
+                        os.path.join(dirs[opt], "train.log"))
+    assert "gradients reduce-scattered" in logs["oss_adam"]
+    valid = {opt: re.findall(r"valid on 'valid' subset \| loss ([\d.]+)", log) for opt, log in logs.items()}
+    assert len(valid["adam"]) >= FIRST // 2 and valid["oss_adam"] == valid["adam"]
     assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
     got, want = (load(ckpt(dirs[opt]))["extra_state"]["ema"] for opt in ("oss_adam", "adam"))
     assert got.keys() == want.keys() and len(want) > 0
