@@ -78,12 +78,11 @@ class ReadGuard:
         parameters, which its forward may hand to code that the mode does not see (a
         C++ extension called without a torch function touching them first); outside:
         wait for all."""
-        exchange = self.exchange()
-        if exchange is None or not exchange.in_flight:
-            return
         if not self.in_forward:
-            exchange.wait_all()
-        elif exchange.unread:
+            self.wait_all()
+            return
+        exchange = self.exchange()
+        if exchange is not None and exchange.unread:
             for p in module.parameters(recurse=False):
                 exchange.wait_tensor(p)
 
