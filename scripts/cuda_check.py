@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""oss_adam on one CUDA GPU, in one run of a few minutes: what the CPU tests cannot show.
+
+Not a test (CI has no GPU; the suite runs on CPU with gloo). For a machine with a GPU:
+
+1. fairseq-train at one rank on the GPU, in every precision mode fairseq-train offers on
+   GPUs (fp32, ``--fp16``, ``--memory-efficient-fp16``, ``--amp``; its ``--bf16`` and
+   ``--memory-efficient-bf16`` turn on ``--tpu``, which oss_adam refuses): adam, adam
+   again (the control: the GPU's own run-to-run difference) and oss_adam with
+   ``--write-checkpoints-asynchronously`` (its snapshot stages CUDA tensors in pinned
+   memory), each saving half way and at the end. The checkpoints' weights and Adam state
+   are compared bit for bit, half way and at the end.
+2. In one process, NCCL at world size 1: CUDA tensors through the gradient hooks, one
+   ``reduce_scatter_tensor`` per bucket, the sharded step with its exchange deferred,
+   against fairseq's Adam on the same gradients, bit for bit.
+3. Two ranks on the one GPU under NCCL, to say why nothing here runs NCCL at two ranks:
+   NCCL refuses two ranks on one device (multi-rank NCCL needs a machine with two GPUs).
+4. The optimizer step alone, ShardedAdam against fairseq's Adam (and torch's foreach and
+   fused AdamW, for scale), interleaved, medians; one rank, so no communication.
+
+    python scripts/cuda_check.py DATA_BIN OUT_DIR [--device cpu]
+
+``--device cpu`` dry-runs parts 1, 2 and 4 on CPU (gloo), to check the script itself.
+Prints a report; exits 1 if a parity check fails.
+"""
+import argparse
+import concurrent.futures
+import os
+import site
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+MODES = {
+    "fp32": [],
+    "fp16": ["--fp16"],
+    "memory_efficient_fp16": ["--memory-efficient-fp16"],
+    "amp": ["--amp"],
+}
+HALF, UPDATES = 10, 20
+MODEL = [
+    "--task", "language_modeling", "--arch", "transformer_lm",
+    "--decoder-layers", "2", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
+    "--decoder-attention-heads", "4", "--tokens-per-sample", "64", "--max-tokens", "1024",
+    "--lr", "0.0005", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "5",
+    "--total-num-update", "40", "--clip-norm", "1.0", "--weight-decay", "0.01",
+    "--adam-betas", "(0.9,0.98)", "--seed", "1", "--num-workers", "0",
+    "--no-epoch-checkpoints", "--disable-validation", "--log-format", "simple", "--log-interval", "1",
+    "--max-update", str(UPDATES), "--save-interval-updates", str(HALF),
+    "--fp16-init-scale", "4096",
+]
+# Where the package is installed, its .pth registers oss_adam (and a --user-dir pointing at
+# this checkout would be a second fairseq_oss); on a machine where it is only on PYTHONPATH,
+# --user-dir registers it.
+INSTALLED = any(os.path.exists(os.path.join(d, "fairseq_oss.pth")) for d in site.getsitepackages())
+USER_DIR = [] if INSTALLED else ["--user-dir", os.path.join(ROOT, "fairseq_oss")]
+FAILED = []
+
+
+def check(ok, what):
+    print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
+    if not ok:
+        FAILED.append(what)
+
+
+# ---------------------------------------------------------------- 1. fairseq-train
+
+
+def _train(data, out, mode, name, device):
+    save = os.path.join(out, "train", f"{mode}-{name}")
+    os.makedirs(save, exist_ok=True)
+    opt = "oss_adam" if name == "oss_adam" else "adam"
+    extra = ["--write-checkpoints-asynchronously"] if opt == "oss_adam" else []
+    extra += ["--cpu"] if device == "cpu" else []
+    cmd = [sys.executable, "-m", "fairseq_cli.train", data, *MODEL, *USER_DIR, *MODES[mode], *extra,
+           "--optimizer", opt, "--save-dir", save]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(save, "train.log"), "w") as f:
+        f.write(log)
+    return {"rc": proc.returncode, "log": log, "dir": save, "s": time.monotonic() - start}
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _differences(a_path, b_path):
+    """(tensors that differ, largest difference, largest |value|) over weights and Adam state."""
+    a, b = _load(a_path), _load(b_path)
+    pairs = [(a["model"][k], b["model"][k]) for k in b["model"]]
+    sa, sb = a["last_optimizer_state"]["state"], b["last_optimizer_state"]["state"]
+    if list(sa) != list(sb):
+        return None
+    for k in sb:
+        pairs += [(sa[k][key], sb[k][key]) for key in ("exp_avg", "exp_avg_sq")]
+        if sa[k]["step"] != sb[k]["step"]:
+            return None
+    differ, largest, scale = 0, 0.0, 0.0
+    for x, y in pairs:
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return None
+        if not torch.equal(x, y):
+            differ += 1
+            largest = max(largest, (x.double() - y.double()).abs().max().item())
+        scale = max(scale, y.double().abs().max().item() if y.numel() else 0.0)
+    return differ, largest, scale, len(pairs)
+
+
+def part_training(data, out, device):
+    print(f"\n1. fairseq-train, one rank on {device}: {UPDATES} updates, saves at {HALF} and {UPDATES}", flush=True)
+    jobs = [(m, n) for m in MODES for n in ("adam", "adam_again", "oss_adam")]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs) if device == "cuda" else 2) as pool:
+        runs = dict(zip(jobs, pool.map(lambda j: _train(data, out, j[0], j[1], device), jobs)))
+    for mode in MODES:
+        print(f" {mode}:", flush=True)
+        bad = [n for n in ("adam", "adam_again", "oss_adam") if runs[mode, n]["rc"] != 0]
+        for n in bad:
+            print("\n".join(runs[mode, n]["log"].splitlines()[-25:]))
+        check(not bad, f"{mode}: every run exits 0 ({', '.join(bad) or 'none failed'})")
+        if bad:
+            continue
+        log = runs[mode, "oss_adam"]["log"]
+        overflows = [runs[mode, n]["log"].count("overflow detected") for n in ("adam", "oss_adam")]
+        print(f"    overflows (adam, oss_adam): {overflows}; seconds: "
+              + ", ".join(f"{n} {runs[mode, n]['s']:.0f}" for n in ("adam", "adam_again", "oss_adam")))
+        check(overflows[0] == overflows[1], f"{mode}: oss_adam skips the updates adam skips")
+        check("Adam state sharded over 1 rank(s)" in log, f"{mode}: oss_adam ran")
+        for name in (f"checkpoint_1_{HALF}.pt", "checkpoint_last.pt"):
+            paths = {n: os.path.join(runs[mode, n]["dir"], name) for n in ("adam", "adam_again", "oss_adam")}
+            control = _differences(paths["adam_again"], paths["adam"])
+            got = _differences(paths["oss_adam"], paths["adam"])
+            print(f"    {name}: adam again vs adam {_words(control)}; oss_adam vs adam {_words(got)}")
+            check(got is not None and (got[0] == 0 or (control is not None and control[0] > 0)),
+                  f"{mode} {name}: oss_adam equals adam bit for bit (or adam is not repeatable here)")
+
+
+def _words(d):
+    if d is None:
+        return "DIFFERENT STRUCTURE"
+    differ, largest, scale, n = d
+    if differ == 0:
+        return f"identical ({n} tensors)"
+    return f"{differ}/{n} tensors differ, by up to {largest:.3g} ({largest / max(scale, 1e-300):.2g} of the largest value)"
+
+
+# ---------------------------------------------------------------- 2. in process, NCCL
+
+
+def part_in_process(device):
+    import torch.distributed as dist
+    from fairseq.optim.adam import Adam
+
+    from fairseq_oss.optim.grad_reduction import GradReducer, total_norm
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
+    from models import SMALL_BUCKET, lr_at, make_model, param_groups
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    print(f"\n2. In process, {backend} at world size 1 on {device}: hooks, reduce_scatter_tensor, deferred exchange", flush=True)
+    rdv = tempfile.NamedTemporaryFile(delete=False).name
+    os.unlink(rdv)
+    kwargs = {"device_id": torch.device("cuda:0")} if device == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"file://{rdv}", rank=0, world_size=1, **kwargs)
+    torch.use_deterministic_algorithms(True)
+    try:
+        model, ref = make_model().to(device), make_model().to(device)
+        opt = ShardedAdam(param_groups(model, 1e-3), betas=(0.9, 0.98), eps=1e-6, bucket_bytes=SMALL_BUCKET,
+                          defer_exchange=True)
+        ref_opt = Adam(param_groups(ref, 1e-3), betas=(0.9, 0.98), eps=1e-6)
+        reducer = GradReducer(opt, method="reduce_scatter", unused="skip")
+        print(f"  {len(opt.partition.buckets)} buckets, parameters on {opt.params[0].device}")
+        norms = []
+        for step in range(1, 7):
+            opt.param_exchange.wait_all()  # the next forward reads the parameters
+            opt.zero_grad()
+            reducer.reset()
+            ref.zero_grad(set_to_none=True)
+            g = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, 300, (5,), generator=g).to(device)
+            w = torch.randn(5, 3, generator=g).to(device)
+            for m in (model, ref):
+                h = m["fc2"](torch.relu(m["fc1"](m["embed"](idx))))
+                (m["sometimes"](h) * w).sum().backward()
+            early = reducer._next
+            reducer.finish()
+            norms.append((total_norm(opt.reduced_grads(), None, opt.params).item(),
+                          torch.norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None])).item()))
+            for o in (opt, ref_opt):
+                for group in o.param_groups:
+                    group["lr"] = lr_at(step) * (0.5 if group.get("weight_decay") else 1.0)
+            opt.step()
+            ref_opt.step()
+        opt.param_exchange.wait_all()
+        torch.cuda.synchronize() if device == "cuda" else None
+        same = [torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())]
+        check(all(same), f"parameters after 6 steps equal fairseq Adam's bit for bit ({sum(same)}/{len(same)})")
+        check(early > 0, f"buckets reduced during backward, before finish ({early})")
+        check(all(abs(a - b) <= 1e-6 * b for a, b in norms), f"gradient norm from the shards = adam's ({norms[-1]})")
+        check(all(p.grad is None for p in opt.params), "no full .grad kept after the reduction")
+    finally:
+        torch.use_deterministic_algorithms(False)
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- 3. two ranks, one GPU
+
+_TWO_RANKS = """
+import os, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+print("all_reduce gave", t.tolist())
+"""
+
+
+def part_two_ranks():
+    print("\n3. Two ranks on the one GPU with NCCL", flush=True)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n(killed after 60 s)"
+        lines = [ln for ln in out.splitlines() if "Duplicate GPU" in ln or "gave" in ln or "Error" in ln]
+        print(f"  rank exit {p.returncode}: {' | '.join(lines[-3:]) or out.strip()[-300:]}")
+
+
+# ---------------------------------------------------------------- 4. step time
+
+
+def part_step_time(device):
+    from fairseq.optim.adam import Adam
+
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
+
+    n, shape = (120, (1024, 1024)) if device == "cuda" else (8, (256, 256))
+    print(f"\n4. The step alone, one rank on {device}: {n} tensors of {shape[0]}x{shape[1]} fp32 "
+          f"({n * shape[0] * shape[1] / 1e6:.0f}M parameters), medians of 20, interleaved", flush=True)
+    torch.manual_seed(0)
+
+    def params():
+        ps = [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for _ in range(n)]
+        for p in ps:
+            p.grad = torch.randn_like(p) * 1e-3
+        return ps
+
+    kw = {"lr": 1e-3, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.01}
+    contenders = {
+        "fairseq adam": Adam(params(), **kw),
+        "oss_adam (ShardedAdam)": ShardedAdam(params(), **kw),
+        "torch AdamW foreach": torch.optim.AdamW(params(), foreach=True, **kw),
+    }
+    if device == "cuda":
+        contenders["torch AdamW fused"] = torch.optim.AdamW(params(), fused=True, **kw)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {k: [] for k in contenders}
+    for rep in range(23):
+        for name, opt in contenders.items():
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            if rep >= 3:
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["fairseq adam"])
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  {name:24s} {m * 1e3:8.2f} ms  ({m / base:.2f}x fairseq adam)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("data")
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--parts", default="1234")
+    args = ap.parse_args()
+    if args.device == "cuda":
+        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    start = time.monotonic()
+    for part, fn in (("2", lambda: part_in_process(args.device)), ("4", lambda: part_step_time(args.device)),
+                     ("1", lambda: part_training(args.data, args.out, args.device)),
+                     ("3", part_two_ranks)):
+        if part in args.parts and not (part == "3" and args.device != "cuda"):
+            try:
+                fn()
+            except Exception as e:  # report and go on: one part's failure must not hide the others'
+                import traceback
+
+                traceback.print_exc()
+                check(False, f"part {part} raised {type(e).__name__}: {e}")
+    print(f"\n{len(FAILED)} check(s) failed in {time.monotonic() - start:.0f} s" + "".join(f"\n  {f}" for f in FAILED))
+    sys.exit(1 if FAILED else 0)
+
+
+if __name__ == "__main__":
+    main()
