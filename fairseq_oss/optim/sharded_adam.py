@@ -251,9 +251,12 @@ class ShardedAdam(torch.optim.Optimizer):
     def _update_shard(self, bucket: Bucket) -> None:
         """Apply Adam, in place, to this rank's part of the bucket's parameters, piece by
         piece (a piece is one parameter's run of elements), as fairseq's Adam applies it
-        to each whole parameter; pieces without a gradient are left as they are."""
+        to each whole parameter; pieces without a gradient are left as they are. The
+        pieces held in fp32 are updated together, one multi-tensor op per line of Adam
+        (:func:`_adam_update_pieces`); fp16/bf16 ones one by one, through fp32 copies."""
         group = self.param_groups[bucket.group]
         exp_avg, exp_avg_sq = self._exp_avg[bucket.index], self._exp_avg_sq[bucket.index]
+        together = ([], [], [], [], [])  # parameters, gradients, exp_avg, exp_avg_sq, steps
         for pc in self._shards[bucket.index][self.rank]:
             if self._reduced is not None:
                 if not self._reduced[1][pc.param]:
@@ -265,13 +268,17 @@ class ShardedAdam(torch.optim.Optimizer):
                     continue
                 grad = g.reshape(-1)[pc.param_offset : pc.param_offset + pc.numel]
             p = self._piece_view(pc)
-            if grad.dtype in _LOW_PRECISION:
-                grad = grad.float()
-            p_fp32 = p.float() if p.dtype in _LOW_PRECISION else p
             lo, hi = pc.offset, pc.offset + pc.numel
-            _adam_update(p_fp32, grad, exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param], group)
+            if p.dtype not in _LOW_PRECISION and grad.dtype not in _LOW_PRECISION:
+                for lst, t in zip(together, (p, grad, exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param])):
+                    lst.append(t)
+                continue
+            p_fp32 = p.float() if p.dtype in _LOW_PRECISION else p
+            _adam_update(p_fp32, grad.float(), exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param], group)
             if p_fp32 is not p:
                 p.copy_(p_fp32)
+        if together[0]:
+            _adam_update_pieces(*together, group)
 
     # ------------------------------------------------------------------ state dict
 
@@ -454,3 +461,21 @@ def _adam_update(p, grad, exp_avg, exp_avg_sq, step: int, group) -> None:
     if group["weight_decay"] != 0:
         p.add_(p, alpha=-group["weight_decay"] * group["lr"])
     p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _adam_update_pieces(params, grads, exp_avgs, exp_avg_sqs, steps: List[int], group) -> None:
+    """:func:`_adam_update` on many tensors at once (torch's ``_foreach`` ops: a few kernel
+    launches per bucket instead of a few per parameter, which is what a step of many small
+    parameters costs on a GPU). The same element-wise arithmetic in the same order, with
+    each tensor's own step size; on CPU torch runs these ops tensor by tensor."""
+    beta1, beta2 = group["betas"]
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denoms, group["eps"])
+    step_sizes = [-(group["lr"] * math.sqrt(1 - beta2**s) / (1 - beta1**s)) for s in steps]
+    if group["weight_decay"] != 0:
+        torch._foreach_add_(params, params, alpha=-group["weight_decay"] * group["lr"])
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
