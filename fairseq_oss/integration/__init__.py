@@ -1,7 +1,8 @@
 """The fairseq plugin: the only code that imports or patches fairseq.
 
 Owns oss_adam's registration and config (:mod:`.optimizer`), the model wrapper that
-leaves the gradients' reduction to oss_adam (:mod:`.grad_sync`), the CPU launch fixes
+leaves the gradients' reduction to oss_adam (:mod:`.grad_sync`) and ``--amp`` on the
+shards it leaves (:mod:`.amp`), the CPU launch fixes
 (:mod:`.compat`), and fairseq's save path (:mod:`.save_path`, with the ``--keep-*``
 rules of asynchronous saves, :mod:`.pruning`), load path (:mod:`.load_path`) and
 launcher (:mod:`.launcher`), each patch installed once (:mod:`.patching`) and doing
@@ -16,6 +17,7 @@ that module is half-imported, and the module finishes the job itself).
 from fairseq_oss.integration import compat  # noqa: F401 - first: the launcher wraps its fixes
 from fairseq_oss.integration import grad_sync  # noqa: F401 - the model wrapper of the reduce-scatter
 from fairseq_oss.integration import optimizer  # noqa: F401 - registers --optimizer oss_adam
+from fairseq_oss.integration import amp  # noqa: F401 - fairseq's --amp on the reduced shards
 from fairseq_oss.integration import save_path  # noqa: F401
 from fairseq_oss.integration import load_path  # noqa: F401
 from fairseq_oss.integration import launcher  # noqa: F401

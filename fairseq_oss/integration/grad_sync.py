@@ -36,11 +36,11 @@ FLAG = "--oss-grad-reduction"
 _DDP_BACKENDS = {"c10d": "mul", "pytorch_ddp": "mul", "legacy_ddp": "div", "no_c10d": "div"}
 # The precision modes the reduce-scatter does not run yet: --fp16 and --bf16 step a flat
 # fp32 master copy whose gradient fairseq assembles from the model's (a reduction in its
-# layout is not written); --amp's GradScaler unscales and checks the parameters' .grad,
-# which the reduction frees. --memory-efficient-fp16 runs: its parameters are the
-# optimizer's, it unscales through multiply_grads and checks overflow on the norm.
+# layout is not written). --memory-efficient-fp16 runs: its parameters are the
+# optimizer's, it unscales through multiply_grads and checks overflow on the norm; --amp
+# runs, its GradScaler shown the shards (:mod:`fairseq_oss.integration.amp`).
 _PRECISION_FLAGS = (
-    ("common.fp16", "--fp16"), ("common.bf16", "--bf16"), ("common.amp", "--amp"),
+    ("common.fp16", "--fp16"), ("common.bf16", "--bf16"),
     ("common.memory_efficient_bf16", "--memory-efficient-bf16"),
 )
 
@@ -62,9 +62,9 @@ def _blockers(cfg):
 def mode(cfg) -> Optional[str]:
     """``"reduce_scatter"`` or ``"all_reduce"``: what oss_adam does under fairseq's config
     ``cfg`` (the whole one); None when ``cfg`` does not train with oss_adam. ``auto`` is
-    the reduce-scatter wherever it runs: fp32 or ``--memory-efficient-fp16`` training
-    under pytorch_ddp, legacy_ddp or no_c10d. The other mixed-precision modes reduce with
-    fairseq's all-reduce (for now)."""
+    the reduce-scatter wherever it runs: fp32, ``--amp`` or ``--memory-efficient-fp16``
+    training under pytorch_ddp, legacy_ddp or no_c10d. The other mixed-precision modes
+    reduce with fairseq's all-reduce (for now)."""
     if OmegaConf.select(cfg, "optimizer._name") != "oss_adam":
         return None
     asked = OmegaConf.select(cfg, "optimizer.oss_grad_reduction") or "auto"
@@ -82,8 +82,8 @@ def refusal(cfg) -> Optional[str]:
     if asked == "reduce_scatter" and blockers:
         return (
             f"{FLAG} reduce_scatter does not run with {', '.join(blockers)} yet: use {FLAG} auto "
-            f"(fairseq's all-reduce there) or train in fp32 or with --memory-efficient-fp16 under "
-            f"pytorch_ddp, legacy_ddp or no_c10d"
+            f"(fairseq's all-reduce there) or train in fp32, with --amp or with "
+            f"--memory-efficient-fp16 under pytorch_ddp, legacy_ddp or no_c10d"
         )
     return None
 

@@ -47,7 +47,8 @@ class FairseqOSSAdamConfig(FairseqAdamConfig):
             "and keeping 1/N of the gradients (as many bytes per update as plain adam); "
             "all_reduce: fairseq's DDP all-reduce of every gradient, each rank keeping all "
             "of them (1.5x plain adam's bytes with the parameters' all-gather); auto: "
-            "reduce_scatter in fp32 training under pytorch_ddp, legacy_ddp or no_c10d, "
+            "reduce_scatter in fp32, --amp or --memory-efficient-fp16 training under pytorch_ddp, "
+            "legacy_ddp or no_c10d, "
             "all_reduce otherwise"
         },
     )

@@ -1,26 +1,41 @@
 """End to end, fairseq's mixed-precision modes with oss_adam on CPU: ``--fp16`` (one flat
-fp32 master tensor, sharded element by element) and ``--memory-efficient-fp16`` (fp16
-parameters, fp32 state), against ``--optimizer adam`` in the same mode.
+fp32 master tensor, sharded element by element), ``--memory-efficient-fp16`` (fp16
+parameters, fp32 state) and ``--amp`` (fp32 parameters, torch's GradScaler), against
+``--optimizer adam`` in the same mode.
 
 Assumption: fairseq's fp16 training on CPU is deterministic for a given seed, data and
 world size (the CPU launch fixes in fairseq_oss/compat.py make the flat path run there),
 so equal checkpoints mean equal arithmetic. ``--fp16-init-scale 4096`` makes the first
 update overflow on this model: the runs compare a skipped update and a lowered loss scale.
+``--amp`` runs with the tests' plugin ``cpu_amp`` (fairseq's GradScaler is CUDA's, off on
+CPU; the plugin gives it torch's CPU one), and its criterion puts an inf into one
+parameter's gradient on rank 1 in the second update: under the reduce-scatter that inf
+reaches one rank's shard only.
 """
+import os
 import shutil
 
 import pytest
 
 from checks import assert_same_training_state, load
-from launch import CLIPPING, FIRST, RESUMED, attempt, ckpt, train, train_cmd
+from launch import CLIPPING, FIRST, PLUGIN, RESUMED, attempt, ckpt, train, train_cmd
 
-MODES = {"fp16": ["--fp16"], "memory_efficient_fp16": ["--memory-efficient-fp16"]}
+CPU_AMP = os.path.join(os.path.dirname(PLUGIN), "cpu_amp")
+MODES = {
+    "fp16": ["--fp16"],
+    "memory_efficient_fp16": ["--memory-efficient-fp16"],
+    "amp": ["--amp", "--user-dir", CPU_AMP, "--criterion", "cross_entropy_inf_grad",
+            "--inf-grad-call", "3", "--inf-grad-rank", "1"],
+}
 # Under --oss-grad-reduction auto, --fp16 reduces with fairseq's all-reduce, whose
 # gradients are adam's own bit for bit, so clipping may act; --memory-efficient-fp16 with
 # the reduce-scatter, bit for bit at 2 ranks where clipping does not act (COMMON's
 # --clip-norm is computed, and checks overflow, but does not act).
-SCALE = {"fp16": ["--fp16-init-scale", "4096", *CLIPPING], "memory_efficient_fp16": ["--fp16-init-scale", "4096"]}
-REDUCE_SCATTER = {"fp16": False, "memory_efficient_fp16": True}
+SCALE = {"fp16": ["--fp16-init-scale", "4096", *CLIPPING], "memory_efficient_fp16": ["--fp16-init-scale", "4096"],
+         "amp": []}
+REDUCE_SCATTER = {"fp16": False, "memory_efficient_fp16": True, "amp": True}
+OVERFLOW = {"fp16": "gradient overflow detected", "memory_efficient_fp16": "gradient overflow detected",
+            "amp": "AMP: overflow detected, setting scale to to 64.0"}
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +56,18 @@ def test_same_numbers_as_adam(saved, mode):
     got, want = ckpt(saved[mode, "oss_adam"]), ckpt(saved[mode, "adam"])
     assert_same_training_state(got, want)
     state = load(got)["last_optimizer_state"]
-    assert state["loss_scale"] == load(want)["last_optimizer_state"]["loss_scale"] < 4096
+    if mode == "amp":  # fairseq saves no scale for --amp
+        assert "loss_scale" not in state and "loss_scale" not in load(want)["last_optimizer_state"]
+    else:
+        assert state["loss_scale"] == load(want)["last_optimizer_state"]["loss_scale"] < 4096
     assert all(v["exp_avg"].dtype.is_floating_point and v["exp_avg"].element_size() == 4
                for v in state["state"].values())
     if mode == "fp16":  # the flat master copy: one parameter, sharded all the same
         assert len(state["state"]) == 1
     log = saved[mode, "oss_adam", "log"]
-    assert "gradient overflow detected" in log and "Adam state sharded over 2 rank(s)" in log
+    assert OVERFLOW[mode] in log and "Adam state sharded over 2 rank(s)" in log
     assert ("gradients reduce-scattered" in log) == REDUCE_SCATTER[mode]
-    assert log.count("gradient overflow detected") == saved[mode, "adam", "log"].count("gradient overflow detected")
+    assert log.count(OVERFLOW[mode]) == saved[mode, "adam", "log"].count(OVERFLOW[mode])
 
 
 @pytest.mark.parametrize("mode", list(MODES))
