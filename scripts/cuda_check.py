@@ -17,6 +17,9 @@ Not a test (CI has no GPU; the suite runs on CPU with gloo). For a machine with 
    NCCL refuses two ranks on one device (multi-rank NCCL needs a machine with two GPUs).
 4. The optimizer step alone, ShardedAdam against fairseq's Adam (and torch's foreach and
    fused AdamW, for scale), interleaved, medians; one rank, so no communication.
+5. fairseq-train's updates per second at one rank, adam against oss_adam, in fp32 and
+   with ``--amp``, on a 6-layer transformer_lm: runs one after the other, interleaved
+   (adam, oss_adam, adam, oss_adam), the median of fairseq's logged ``ups`` after warm-up.
 
     python scripts/cuda_check.py DATA_BIN OUT_DIR [--device cpu]
 
@@ -288,12 +291,59 @@ def part_step_time(device):
         print(f"  {name:24s} {m * 1e3:8.2f} ms  ({m / base:.2f}x fairseq adam)")
 
 
+# ---------------------------------------------------------------- 5. updates per second
+
+SPEED_MODEL = [
+    "--task", "language_modeling", "--arch", "transformer_lm",
+    "--decoder-layers", "6", "--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048",
+    "--decoder-attention-heads", "8", "--tokens-per-sample", "128", "--max-tokens", "2048",
+    "--lr", "0.0005", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "10",
+    "--total-num-update", "1000", "--clip-norm", "1.0", "--weight-decay", "0.01",
+    "--adam-betas", "(0.9,0.98)", "--seed", "1", "--num-workers", "0", "--no-save",
+    "--disable-validation", "--log-format", "json", "--log-interval", "10",
+]
+
+
+def part_speed(data, out, device, updates=160, rounds=2):
+    import json
+
+    model = SPEED_MODEL
+    if device == "cpu":  # the dry run: a model that CPU trains in seconds
+        model = [*SPEED_MODEL, "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+                 "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--max-tokens", "256"]
+        updates = 60
+
+    print(f"\n5. fairseq-train updates per second, one rank on {device}: {updates} updates, "
+          f"{rounds} rounds interleaved, median of the logged ups after update 40", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for mode, flags in (("fp32", []), ("amp", ["--amp"])):
+        ups = {"adam": [], "oss_adam": []}
+        for _ in range(rounds):
+            for opt in ups:
+                cmd = [sys.executable, "-m", "fairseq_cli.train", data, *model, *USER_DIR, *flags,
+                       "--optimizer", opt, "--max-update", str(updates), "--save-dir", os.path.join(out, "speed")]
+                cmd += ["--cpu"] if device == "cpu" else []
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+                if proc.returncode != 0:
+                    print((proc.stdout + proc.stderr)[-3000:])
+                    check(False, f"{mode} {opt}: fairseq-train exited {proc.returncode}")
+                    return
+                for line in (proc.stdout + proc.stderr).splitlines():
+                    if '"train_inner"' in line or "train_inner" in line and "{" in line:
+                        rec = json.loads(line[line.index("{"):])
+                        if int(rec["num_updates"]) > 40:
+                            ups[opt].append(float(rec["ups"]))
+        a, o = statistics.median(ups["adam"]), statistics.median(ups["oss_adam"])
+        print(f"  {mode}: adam {a:.2f} updates/s, oss_adam {o:.2f} updates/s: an update takes {a / o:.2f}x adam's time "
+              f"({len(ups['adam'])} and {len(ups['oss_adam'])} intervals)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("data")
     ap.add_argument("out")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--parts", default="1234")
+    ap.add_argument("--parts", default="12345")
     args = ap.parse_args()
     if args.device == "cuda":
         print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
@@ -302,7 +352,7 @@ def main():
     start = time.monotonic()
     for part, fn in (("2", lambda: part_in_process(args.device)), ("4", lambda: part_step_time(args.device)),
                      ("1", lambda: part_training(args.data, args.out, args.device)),
-                     ("3", part_two_ranks)):
+                     ("3", part_two_ranks), ("5", lambda: part_speed(args.data, args.out, args.device))):
         if part in args.parts and not (part == "3" and args.device != "cuda"):
             try:
                 fn()
