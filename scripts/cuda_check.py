@@ -49,17 +49,25 @@ MODES = {
     "amp": ["--amp"],
 }
 HALF, UPDATES = 10, 20
-MODEL = [
-    "--task", "language_modeling", "--arch", "transformer_lm",
-    "--decoder-layers", "2", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
-    "--decoder-attention-heads", "4", "--tokens-per-sample", "64", "--max-tokens", "1024",
-    "--lr", "0.0005", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "5",
-    "--total-num-update", "40", "--clip-norm", "1.0", "--weight-decay", "0.01",
-    "--adam-betas", "(0.9,0.98)", "--seed", "1", "--num-workers", "0",
-    "--no-epoch-checkpoints", "--disable-validation", "--log-format", "simple", "--log-interval", "1",
-    "--max-update", str(UPDATES), "--save-interval-updates", str(HALF),
-    "--fp16-init-scale", "4096",
-]
+
+
+def lm(layers, dim, tokens, *extra, decay_updates=40):
+    """fairseq-train flags for a transformer_lm of ``layers`` layers of width ``dim`` (4x in
+    the feed-forward, heads of 32), ``tokens`` per sample, 16 samples per batch, trained as
+    the tests train it (learning rate decaying to 0 over ``decay_updates``, clipping, weight
+    decay), plus ``extra``."""
+    return [
+        "--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", str(layers),
+        "--decoder-embed-dim", str(dim), "--decoder-ffn-embed-dim", str(4 * dim),
+        "--decoder-attention-heads", str(dim // 32), "--tokens-per-sample", str(tokens),
+        "--max-tokens", str(16 * tokens), "--lr", "0.0005", "--lr-scheduler", "polynomial_decay",
+        "--warmup-updates", "5", "--total-num-update", str(decay_updates), "--clip-norm", "1.0", "--weight-decay", "0.01",
+        "--adam-betas", "(0.9,0.98)", "--seed", "1", "--num-workers", "0", "--disable-validation", *extra,
+    ]
+
+
+MODEL = lm(2, 128, 64, "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "1",
+           "--max-update", str(UPDATES), "--save-interval-updates", str(HALF), "--fp16-init-scale", "4096")
 # Where the package is installed, its .pth registers oss_adam (and a --user-dir pointing at
 # this checkout would be a second fairseq_oss); on a machine where it is only on PYTHONPATH,
 # --user-dir registers it.
@@ -293,25 +301,15 @@ def part_step_time(device):
 
 # ---------------------------------------------------------------- 5. updates per second
 
-SPEED_MODEL = [
-    "--task", "language_modeling", "--arch", "transformer_lm",
-    "--decoder-layers", "6", "--decoder-embed-dim", "512", "--decoder-ffn-embed-dim", "2048",
-    "--decoder-attention-heads", "8", "--tokens-per-sample", "128", "--max-tokens", "2048",
-    "--lr", "0.0005", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "10",
-    "--total-num-update", "1000", "--clip-norm", "1.0", "--weight-decay", "0.01",
-    "--adam-betas", "(0.9,0.98)", "--seed", "1", "--num-workers", "0", "--no-save",
-    "--disable-validation", "--log-format", "json", "--log-interval", "10",
-]
+SPEED_FLAGS = ("--no-save", "--log-format", "json", "--log-interval", "10")
 
 
 def part_speed(data, out, device, updates=160, rounds=2):
     import json
 
-    model = SPEED_MODEL
+    model = lm(6, 512, 128, *SPEED_FLAGS, decay_updates=1000)
     if device == "cpu":  # the dry run: a model that CPU trains in seconds
-        model = [*SPEED_MODEL, "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-                 "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--max-tokens", "256"]
-        updates = 60
+        model, updates = lm(1, 64, 32, *SPEED_FLAGS, decay_updates=1000), 60
 
     print(f"\n5. fairseq-train updates per second, one rank on {device}: {updates} updates, "
           f"{rounds} rounds interleaved, median of the logged ups after update 40", flush=True)
