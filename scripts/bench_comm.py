@@ -10,7 +10,11 @@ hook, interleaved (A B C A B C ...), at 2 ranks; each figure is the median over 
 the per-run median over updates 3 and later. Prints a table and writes it, with the raw
 figures, to bench-results/comm.md and comm.json.
 
-    python scripts/bench_comm.py [--world-sizes 2 3 4] [--rounds 3] [--updates 10]
+    python scripts/bench_comm.py [--world-sizes 2 3 4] [--rounds 3] [--updates 10] [--precision amp]
+
+``--precision`` trains every contender in that fairseq mode (fp16: ``--fp16``'s flat fp32
+master copy; memory-efficient-fp16; amp) and writes comm-PRECISION.md/json instead; a
+contender that cannot train in it is reported as "-".
 """
 import argparse
 import json
@@ -35,13 +39,14 @@ CONTENDERS = {
     "oss_adam reduce_scatter": ["--optimizer", "oss_adam"],
 }
 TIMED = ["adam", "ZeroRedundancyOptimizer", "oss_adam all_reduce", "oss_adam reduce_scatter"]
+PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "memory-efficient-fp16": ["--memory-efficient-fp16"], "amp": ["--amp"]}
 
 
-def run(name, data, work, world_size, updates, count, bucket_mb=None):
+def run(name, data, work, world_size, updates, count, bucket_mb=None, precision="fp32"):
     out = os.path.join(work, f"probe-{name.replace(' ', '_')}-{world_size}-{count}-{time.time_ns()}")
     cmd = [os.path.join(bench.BIN, "fairseq-train"), *bench.model_args(SIZE, data), *CONTENDERS[name],
            "--save-dir", os.path.join(work, "save"), "--no-save", "--max-update", str(updates),
-           "--user-dir", PROBE]
+           "--user-dir", PROBE, *PRECISIONS[precision]]
     if world_size > 1:
         cmd += ["--distributed-world-size", str(world_size)]
     if bucket_mb is not None and "oss_adam" in name:
@@ -65,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds at 2 ranks (0: none)")
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--bucket-mb", type=float, default=None, help="oss_adam's --oss-bucket-mb (default: its own)")
+    ap.add_argument("--precision", choices=list(PRECISIONS), default="fp32", help="fairseq's precision mode for every contender")
     args = ap.parse_args(argv)
     t0 = time.time()
     work = tempfile.mkdtemp(prefix="fairseq-oss-comm-")
@@ -77,7 +83,13 @@ def main(argv=None):
     for ws in args.world_sizes:
         for name in CONTENDERS:
             print(f"bench_comm: counting {name} at {ws} ranks ...", flush=True)
-            ranks = run(name, data, work, ws, 6, count=True, bucket_mb=args.bucket_mb)
+            try:
+                ranks = run(name, data, work, ws, 6, count=True, bucket_mb=args.bucket_mb, precision=args.precision)
+            except RuntimeError as e:
+                if name == "adam":
+                    raise
+                print(f"bench_comm: {name} does not train with --precision {args.precision}: {str(e)[-300:]}")
+                continue
             counts[f"{name}@{ws}"] = {
                 "sent": statistics.mean(steady(r["sent"]) for r in ranks),
                 "grad_bytes": max(steady(r["grad_bytes"]) for r in ranks),
@@ -86,7 +98,8 @@ def main(argv=None):
     for i in range(args.rounds):
         for name in TIMED:
             print(f"bench_comm: timing round {i + 1}: {name} ...", flush=True)
-            ranks = run(name, data, work, 2, args.updates, count=False, bucket_mb=args.bucket_mb)
+            ranks = run(name, data, work, 2, args.updates, count=False, bucket_mb=args.bucket_mb,
+                        precision=args.precision)
             r0 = ranks[0]
             times[name]["peak_rss_mb"].append(max(r["peak_rss_mb"] for r in ranks))
             times[name]["seconds"].append(steady(r0["seconds"]))
@@ -102,8 +115,8 @@ def main(argv=None):
     for name in CONTENDERS:
         cells = []
         for ws in args.world_sizes:
-            c, base = counts[f"{name}@{ws}"], counts[f"adam@{ws}"]
-            cells.append(f"{c['sent'] / 1e6:.1f} ({c['sent'] / base['sent']:.2f}x)")
+            c, base = counts.get(f"{name}@{ws}"), counts[f"adam@{ws}"]
+            cells.append(f"{c['sent'] / 1e6:.1f} ({c['sent'] / base['sent']:.2f}x)" if c else "-")
         held = counts.get(f"{name}@2", {}).get("grad_bytes")
         cells.append(f"{held / 1e6:.1f}" if held is not None else "-")
         if args.rounds:
@@ -119,7 +132,8 @@ def main(argv=None):
                 cells += ["-", "-", "-", "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
-            f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; fp32, gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
+            f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; {args.precision} "
+            f"({' '.join(PRECISIONS[args.precision]) or 'no precision flag'}), gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
             "Bytes: counted at the collectives as NCCL's ring algorithms send them, mean over ranks, median over "
             "updates 3 and later. Grad MB held: the largest rank, after the reduction. Times: interleaved rounds, "
             "rank 0, medians. After backward: from the end of the last backward to the end of the step; parameter "
@@ -131,9 +145,11 @@ def main(argv=None):
     print(note)
     out_dir = os.path.join(bench.ROOT, "bench-results")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "comm.md"), "w") as f:
-        f.write(f"Measured {time.strftime('%Y-%m-%d')} (`python scripts/bench_comm.py`).\n\n{table}\n\n{note}\n")
-    with open(os.path.join(out_dir, "comm.json"), "w") as f:
+    stem = "comm" if args.precision == "fp32" else f"comm-{args.precision}"
+    command = " ".join(["python scripts/bench_comm.py", *(argv if argv is not None else sys.argv[1:])])
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(f"Measured {time.strftime('%Y-%m-%d')} (`{command}`).\n\n{table}\n\n{note}\n")
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump({"counts": counts, "times": times, "size": SIZE}, f, indent=1)
 
 

@@ -121,7 +121,10 @@ _train_step, _task_step, _optimizer_step = Trainer.train_step, FairseqTask.train
 def _grad_bytes(trainer):
     params = list(trainer.model.parameters()) + list(trainer.criterion.parameters())
     total = sum(_bytes(p.grad) for p in params if p.grad is not None)
-    reducer = getattr(trainer.optimizer, "_reducer", None)
+    opt = trainer.optimizer
+    # fairseq's precision wrappers hold oss_adam as fp32_optimizer (--amp) or wrapped_optimizer
+    opt = getattr(opt, "fp32_optimizer", None) or getattr(opt, "wrapped_optimizer", None) or opt
+    reducer = getattr(opt, "_reducer", None)
     if reducer is not None:
         held = reducer.held_bytes()
         total += held["shards"] + held["staging"]
