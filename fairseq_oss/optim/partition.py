@@ -17,6 +17,8 @@ So ranks differ by less than one element per bucket (element-granular balance, w
 whole-parameter assignment cannot give), and one ``all_gather_into_tensor`` per bucket,
 with every rank sending its shard, rebuilds the bucket on all ranks.
 """
+import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -74,6 +76,38 @@ def clip_pieces(pieces: Sequence[Piece], start: int, end: int) -> Tuple[Piece, .
         if lo < hi:
             out.append(Piece(pc.param, pc.param_offset + lo - pc.offset, lo - start, hi - lo))
     return tuple(out)
+
+
+def onto(pieces: Sequence[Piece], layout: Sequence[Sequence[Tuple[int, int]]]) -> Tuple[Piece, ...]:
+    """``pieces`` of flat parameters, re-expressed as pieces of the tensors laid end to end
+    in them (fairseq's ``--fp16`` master copy: one fp32 parameter that holds every model
+    parameter in turn). ``layout[i]``: the ``(tensor index, numel)`` of the tensors that
+    parameter ``i`` holds, in order. Offsets in the bucket (or shard) are kept, so a
+    re-expressed bucket still matches its shards element for element."""
+    starts = []
+    for runs in layout:
+        acc, s = 0, []
+        for _, numel in runs:
+            s.append(acc)
+            acc += numel
+        starts.append(s)
+    out = []
+    for pc in pieces:
+        runs, s = layout[pc.param], starts[pc.param]
+        k = max(0, bisect.bisect_right(s, pc.param_offset) - 1)
+        end = pc.param_offset + pc.numel
+        while k < len(runs) and s[k] < end:
+            target, numel = runs[k]
+            lo, hi = max(s[k], pc.param_offset), min(s[k] + numel, end)
+            if lo < hi:
+                out.append(Piece(target, lo - s[k], pc.offset + lo - pc.param_offset, hi - lo))
+            k += 1
+    return tuple(out)
+
+
+def bucket_onto(bucket: Bucket, layout: Sequence[Sequence[Tuple[int, int]]]) -> Bucket:
+    """``bucket`` with its pieces :func:`onto` the tensors of ``layout``."""
+    return dataclasses.replace(bucket, pieces=onto(bucket.pieces, layout))
 
 
 @dataclass(frozen=True)

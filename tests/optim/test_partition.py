@@ -1,7 +1,7 @@
 """The layout of the sharded state, in one process (no torch.distributed)."""
 import pytest
 
-from fairseq_oss.optim.partition import ParamSpec, Piece, bucket_count, clip_pieces, partition
+from fairseq_oss.optim.partition import ParamSpec, Piece, bucket_count, bucket_onto, clip_pieces, onto, partition
 
 F32 = "torch.float32@cpu"
 DEFAULT_BUCKET_NUMEL = 32 * 2**20 // 4  # the default bucket (32 MiB) of fp32
@@ -138,3 +138,37 @@ def test_bucket_count_is_the_number_of_buckets_partition_makes(world_size, bucke
     specs = transformer_lm_specs(vocab=300, dim=16, layers=2, ffn=32)
     specs += [ParamSpec(1, 5, "torch.float16@cpu"), ParamSpec(1, 9, "torch.float32@cpu"), ParamSpec(2, 0, "x")]
     assert bucket_count(specs, world_size, bucket_numel) == len(partition(specs, world_size, bucket_numel).buckets)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("bucket_numel", [1, 4, 10, 1000])
+def test_onto_maps_each_flat_element_to_its_tensor_element(world_size, bucket_numel):
+    """fairseq's flat master: two flat parameters, each holding tensors end to end (one of
+    them empty). Every element of every bucket and shard lands on the element it holds."""
+    tensors = [7, 1, 0, 30, 5, 13, 2]
+    layout = [[(0, 7), (1, 1), (2, 0), (3, 30)], [(4, 5), (5, 13), (6, 2)]]
+    flat = [ParamSpec(0, 38, F32), ParamSpec(1, 20, F32)]
+    where = {}  # (flat param, element) -> (tensor, element)
+    for i, runs in enumerate(layout):
+        k = 0
+        for t, n in runs:
+            for e in range(n):
+                where[i, k] = (t, e)
+                k += 1
+    part = partition(flat, world_size, bucket_numel)
+    seen = []
+    for b in part.buckets:
+        mapped = bucket_onto(b, layout)
+        assert (mapped.index, mapped.numel, mapped.kind) == (b.index, b.numel, b.kind)
+        for r in range(world_size):
+            want = {pc.offset + k: where[pc.param, pc.param_offset + k] for pc in b.shard_pieces(r) for k in range(pc.numel)}
+            got = {pc.offset + k: (pc.param, pc.param_offset + k) for pc in mapped.shard_pieces(r) for k in range(pc.numel)}
+            assert got == want
+            assert all(pc.numel > 0 for pc in mapped.shard_pieces(r))
+            seen += list(got.values())
+    assert sorted(seen) == sorted((t, e) for t, n in enumerate(tensors) for e in range(n))
+
+
+def test_onto_identity_layout_changes_nothing():
+    pieces = (Piece(0, 3, 0, 4), Piece(1, 0, 4, 2))
+    assert onto(pieces, [[(0, 10)], [(1, 2)]]) == pieces
