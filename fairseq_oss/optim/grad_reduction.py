@@ -26,14 +26,20 @@ rank's reduced shard:
 
 With ``--update-freq``, the backward passes of the first micro-batches run with
 ``sync_in_backward`` returning False: gradients accumulate locally and are reduced once.
+
+Under fairseq's ``--fp16`` the optimizer's parameter is one flat fp32 master copy of the
+model's fp16 parameters, which are what backward gives gradients to: the reducer is then
+built over those (``sources``, laid out in the master as ``layout`` says), reduces in their
+dtype, as fairseq's DDP does, and hands the optimizer each shard in the master's dtype.
 """
 import collections
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from fairseq_oss.optim import collectives
+from fairseq_oss.optim.partition import bucket_onto
 
 # Point-to-point tags of the reduction (the step's exchange uses small tags of its own).
 TAG_BASE = 1 << 20
@@ -54,6 +60,11 @@ class GradReducer:
             leaves the gradients to accumulate and to :meth:`finish`.
         in_flight: buckets in flight at once while backward goes on (each holds a staging
             buffer of one bucket, plus room for the others' slices of its shard with p2p).
+        sources, layout: the tensors whose gradients are reduced, when they are not the
+            optimizer's parameters: ``layout[i]`` lists the ``(source index, numel)`` laid
+            end to end in optimizer parameter ``i`` (:func:`~fairseq_oss.optim.partition.onto`).
+            The reduction runs in the sources' dtype; an optimizer parameter has a gradient
+            when any of its sources has one.
 
     .. warning:: Backward passes that reduce, and :meth:`finish`, are collective: run them
         on all ranks, for the same buckets.
@@ -68,6 +79,8 @@ class GradReducer:
         divide: str = "mul",
         sync_in_backward: Callable[[], bool] = lambda: True,
         in_flight: int = 1,
+        sources: Optional[List[torch.Tensor]] = None,
+        layout: Optional[List[List[Tuple[int, int]]]] = None,
     ):
         if method is None:
             method = "p2p" if collectives.backend(optimizer.process_group) == "gloo" else "reduce_scatter"
@@ -82,9 +95,14 @@ class GradReducer:
         self.sync_in_backward = sync_in_backward
         self.in_flight = max(1, in_flight)
         self.world_size, self.rank, self.group = optimizer.world_size, optimizer.rank, optimizer.process_group
+        if (sources is None) != (layout is None):
+            raise ValueError("sources and layout go together")
         part = optimizer.partition
-        self._buckets = part.buckets
-        self._params: List[torch.Tensor] = optimizer.params
+        self._layout = layout
+        self._buckets = part.buckets if layout is None else [bucket_onto(b, layout) for b in part.buckets]
+        self._params: List[torch.Tensor] = optimizer.params if sources is None else list(sources)
+        # What the optimizer takes each bucket's shard in (its parameters' dtype).
+        self._out_dtypes = [optimizer.params[b.pieces[0].param].dtype for b in part.buckets]
         # A parameter that requires no gradient never gets one: no hook, not waited for.
         grads = [p.requires_grad for p in self._params]
         bucket_params = [sorted({pc.param for pc in b.pieces if grads[pc.param]}) for b in self._buckets]
@@ -96,6 +114,8 @@ class GradReducer:
         self._order = list(range(len(self._buckets) - 1, -1, -1))
         # Each bucket's reduced shard, padded to the bucket's shard size (reduce_scatter's output).
         self._shards: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
+        # Those shards in the optimizer's dtype, where the reduction's differs.
+        self._out: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
         self._staging: Dict[str, List[torch.Tensor]] = {}
         self._slots: Dict[str, int] = {}
         self._hooks = [
@@ -146,9 +166,19 @@ class GradReducer:
             self._complete(self._flying.popleft())
         self._staging.clear()  # between reductions a rank keeps its shards only
         used = self._used_anywhere()
+        if self._layout is not None:
+            used = [any(used[t] for t, _ in runs) for runs in self._layout]
         for p in self._params:
             p.grad = None
-        views = [s[: e - st] for s, (st, e) in zip(self._shards, (b.shard_range(self.rank) for b in self._buckets))]
+        views = []
+        for b, bucket in enumerate(self._buckets):
+            start, end = bucket.shard_range(self.rank)
+            shard = self._shards[b]
+            if shard.dtype != self._out_dtypes[b]:
+                if self._out[b] is None:
+                    self._out[b] = torch.empty_like(shard, dtype=self._out_dtypes[b])
+                shard = self._out[b].copy_(shard)
+            views.append(shard[: end - start])
         self.opt.set_reduced_grads(views, used)
         self._done = True
 
@@ -258,7 +288,7 @@ class GradReducer:
     def held_bytes(self) -> Dict[str, int]:
         """Gradient bytes this rank holds now: its reduced shards, its staging buffers and
         the ``.grad`` tensors autograd still holds."""
-        shard = sum(s.numel() * s.element_size() for s in self._shards if s is not None)
+        shard = sum(s.numel() * s.element_size() for s in self._shards + self._out if s is not None)
         staging = sum(
             t.numel() * t.element_size() for bufs in self._staging.values() for pair in bufs for t in pair
         )

@@ -31,7 +31,9 @@ import torch
 
 from fairseq_oss.optim import collectives, gather
 from fairseq_oss.optim.param_exchange import ParamExchange
-from fairseq_oss.optim.partition import Bucket, ParamSpec, Partition, Piece, bucket_count, partition
+from fairseq_oss.optim.partition import (
+    Bucket, ParamSpec, Partition, Piece, bucket_count, bucket_onto, onto, partition,
+)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -157,6 +159,10 @@ class ShardedAdam(torch.optim.Optimizer):
             self._exp_avg_sq.append(torch.zeros(end - start, dtype=dtype, device=p0.device))
         self.param_exchange = ParamExchange(self._params, self.partition.buckets, self._shards, exchange, process_group)
         self.defer_exchange = defer_exchange
+        # With exchange_into: per bucket, (parameter, offset, target, offset, numel) of
+        # this rank's shard, copied from the parameters into the targets after its update.
+        self._copies: Optional[List[List[Tuple[int, int, int, int, int]]]] = None
+        self._targets: List[torch.Tensor] = []
         # (shards, used) of a reduce-scatter, for the next step; None: use ``.grad``.
         self._reduced: Optional[Tuple[List[torch.Tensor], List[bool]]] = None
         self._consolidated: Optional[Dict[int, Dict[str, torch.Tensor]]] = None
@@ -221,11 +227,45 @@ class ShardedAdam(torch.optim.Optimizer):
         self.param_exchange.wait_all()
         for b in self.partition.buckets:
             self._update_shard(b)
+            if self._copies is not None:
+                self._copy_into_targets(b)
             self.param_exchange.start(b)  # in flight while the next bucket is updated
         if not self.defer_exchange:
             self.param_exchange.wait_all()
         self._reduced = None
         return loss
+
+    def exchange_into(self, targets: List[torch.Tensor], layout: List[List[Tuple[int, int]]]) -> None:
+        """Let the model read low-precision copies of the parameters: fairseq's ``--fp16``
+        steps a flat fp32 master copy (the parameters here) of the model's fp16 parameters
+        (``targets``; ``layout[i]``: the ``(target index, numel)`` laid end to end in
+        parameter ``i``). From now on each step writes this rank's updated shard into the
+        targets, converted to their dtype (fairseq's ``_sync_fp32_params_to_fp16`` of that
+        shard), and exchanges the targets, in their dtype, instead of the parameters.
+
+        The parameters are then up to date on each rank in its own shards only: nothing
+        but this optimizer's step may read them (fairseq never does: it saves and
+        evaluates the model, and rebuilds its master copy from the model when it loads).
+        Not collective; every rank calls it alike, between steps.
+        """
+        self.param_exchange.wait_all()
+        buckets = [bucket_onto(b, layout) for b in self.partition.buckets]
+        shards = [[b.shard_pieces(r) for r in range(self.world_size)] for b in buckets]
+        self._copies = [
+            [
+                (pm.param, pm.param_offset + pt.offset - pm.offset, pt.param, pt.param_offset, pt.numel)
+                for pm in self._shards[b.index][self.rank]
+                for pt in onto([pm], layout)
+            ]
+            for b in self.partition.buckets
+        ]
+        self._targets = list(targets)
+        self.param_exchange = ParamExchange(self._targets, buckets, shards, self.exchange, self.process_group)
+
+    def _copy_into_targets(self, bucket: Bucket) -> None:
+        for param, offset, target, target_offset, numel in self._copies[bucket.index]:
+            dst = self._targets[target].data.view(-1)[target_offset : target_offset + numel]
+            dst.copy_(self._flat(param)[offset : offset + numel])
 
     # ------------------------------------------------------------------ reduced gradients
 
