@@ -1,8 +1,9 @@
 """The fairseq plugin: the only code that imports or patches fairseq.
 
 Owns oss_adam's registration and config (:mod:`.optimizer`), the model wrapper that
-leaves the gradients' reduction to oss_adam (:mod:`.grad_sync`) and ``--amp`` on the
-shards it leaves (:mod:`.amp`), the CPU launch fixes
+leaves the gradients' reduction to oss_adam (:mod:`.grad_sync`), ``--amp`` on the
+shards it leaves (:mod:`.amp`) and ``--fp16``'s master copy sharded (:mod:`.fp16`), the
+CPU launch fixes
 (:mod:`.compat`), and fairseq's save path (:mod:`.save_path`, with the ``--keep-*``
 rules of asynchronous saves, :mod:`.pruning`), load path (:mod:`.load_path`) and
 launcher (:mod:`.launcher`), each patch installed once (:mod:`.patching`) and doing
@@ -18,6 +19,7 @@ from fairseq_oss.integration import compat  # noqa: F401 - first: the launcher w
 from fairseq_oss.integration import grad_sync  # noqa: F401 - the model wrapper of the reduce-scatter
 from fairseq_oss.integration import optimizer  # noqa: F401 - registers --optimizer oss_adam
 from fairseq_oss.integration import amp  # noqa: F401 - fairseq's --amp on the reduced shards
+from fairseq_oss.integration import fp16  # noqa: F401 - fairseq's --fp16 master copy, sharded
 from fairseq_oss.integration import save_path  # noqa: F401
 from fairseq_oss.integration import load_path  # noqa: F401
 from fairseq_oss.integration import launcher  # noqa: F401

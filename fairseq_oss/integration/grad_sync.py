@@ -34,22 +34,22 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "reduce_scatter", "all_reduce")
 FLAG = "--oss-grad-reduction"
 _DDP_BACKENDS = {"c10d": "mul", "pytorch_ddp": "mul", "legacy_ddp": "div", "no_c10d": "div"}
-# The precision modes the reduce-scatter does not run yet: --fp16 and --bf16 step a flat
-# fp32 master copy whose gradient fairseq assembles from the model's (a reduction in its
-# layout is not written). --memory-efficient-fp16 runs: its parameters are the
-# optimizer's, it unscales through multiply_grads and checks overflow on the norm; --amp
-# runs, its GradScaler shown the shards (:mod:`fairseq_oss.integration.amp`).
-_PRECISION_FLAGS = (
-    ("common.fp16", "--fp16"), ("common.bf16", "--bf16"),
-    ("common.memory_efficient_bf16", "--memory-efficient-bf16"),
-)
+# The precision modes the reduce-scatter does not run: --bf16 and --memory-efficient-bf16
+# (fairseq-train runs them on TPUs only, which oss_adam refuses). Every other mode runs:
+# --fp16 with its fp32 master copy sharded (:mod:`fairseq_oss.integration.fp16`);
+# --memory-efficient-fp16, whose parameters are the optimizer's, unscaling through
+# multiply_grads and checking overflow on the norm; --amp, its GradScaler shown the shards
+# (:mod:`fairseq_oss.integration.amp`).
+_PRECISION_FLAGS = (("common.bf16", "--bf16"), ("common.memory_efficient_bf16", "--memory-efficient-bf16"))
 
 
 def _blockers(cfg):
     """What keeps the reduce-scatter from running ``cfg``: flags, in words."""
     out = [flag for key, flag in _PRECISION_FLAGS if OmegaConf.select(cfg, key)]
-    if OmegaConf.select(cfg, "common.memory_efficient_fp16"):
-        out = [f for f in out if f != "--fp16"]  # fairseq sets it along with --memory-efficient-fp16
+    fp16_master = OmegaConf.select(cfg, "common.fp16") and not OmegaConf.select(cfg, "common.memory_efficient_fp16")
+    if fp16_master and OmegaConf.select(cfg, "optimization.debug_param_names"):
+        # on an overflow fairseq reads the master copy's whole fp32 gradient, by name
+        out.append("--fp16 with --debug-param-names")
     backend = OmegaConf.select(cfg, "distributed_training.ddp_backend")
     if backend is not None and backend not in _DDP_BACKENDS:
         out.append(f"--ddp-backend {backend}")
@@ -62,9 +62,9 @@ def _blockers(cfg):
 def mode(cfg) -> Optional[str]:
     """``"reduce_scatter"`` or ``"all_reduce"``: what oss_adam does under fairseq's config
     ``cfg`` (the whole one); None when ``cfg`` does not train with oss_adam. ``auto`` is
-    the reduce-scatter wherever it runs: fp32, ``--amp`` or ``--memory-efficient-fp16``
-    training under pytorch_ddp, legacy_ddp or no_c10d. The other mixed-precision modes
-    reduce with fairseq's all-reduce (for now)."""
+    the reduce-scatter wherever it runs: fp32, ``--fp16``, ``--memory-efficient-fp16`` or
+    ``--amp`` training under pytorch_ddp, legacy_ddp or no_c10d; elsewhere fairseq's
+    all-reduce."""
     if OmegaConf.select(cfg, "optimizer._name") != "oss_adam":
         return None
     asked = OmegaConf.select(cfg, "optimizer.oss_grad_reduction") or "auto"
@@ -82,8 +82,8 @@ def refusal(cfg) -> Optional[str]:
     if asked == "reduce_scatter" and blockers:
         return (
             f"{FLAG} reduce_scatter does not run with {', '.join(blockers)} yet: use {FLAG} auto "
-            f"(fairseq's all-reduce there) or train in fp32, with --amp or with "
-            f"--memory-efficient-fp16 under pytorch_ddp, legacy_ddp or no_c10d"
+            f"(fairseq's all-reduce there), or train in fp32, --fp16, --memory-efficient-fp16 "
+            f"or --amp under pytorch_ddp, legacy_ddp or no_c10d"
         )
     return None
 

@@ -47,9 +47,8 @@ class FairseqOSSAdamConfig(FairseqAdamConfig):
             "and keeping 1/N of the gradients (as many bytes per update as plain adam); "
             "all_reduce: fairseq's DDP all-reduce of every gradient, each rank keeping all "
             "of them (1.5x plain adam's bytes with the parameters' all-gather); auto: "
-            "reduce_scatter in fp32, --amp or --memory-efficient-fp16 training under pytorch_ddp, "
-            "legacy_ddp or no_c10d, "
-            "all_reduce otherwise"
+            "reduce_scatter in fp32, --fp16, --memory-efficient-fp16 or --amp training under "
+            "pytorch_ddp, legacy_ddp or no_c10d, all_reduce otherwise"
         },
     )
     oss_skip_checksums: bool = field(
@@ -96,23 +95,10 @@ class FairseqOSSAdam(FairseqOptimizer):
         except TooManyBuckets as e:
             raise ValueError(bucket_size.count_refusal(e.count, e.total_bytes, cfg.oss_bucket_mb, BUCKET_FLAG)) from None
         # The reduce-scatter, where a ShardedGradDataParallel (not fairseq's DDP) holds the
-        # parameters: nothing else reduces them then.
-        switch = grad_sync.switch_of(self._optimizer.params)
+        # parameters: nothing else reduces them then. (Under --fp16 it holds the model's
+        # fp16 parameters, not these: see reduce_in_shards.)
         self._reducer = None
-        if switch is not None and self._optimizer.world_size > 1:
-            # fairseq rebuilds its optimizer when it resumes: the previous one's hooks go,
-            # and what its last step left in flight is waited for.
-            if switch.reducer is not None:
-                switch.reducer.remove_hooks()
-            if switch.exchange is not None:
-                switch.exchange.wait_all()
-            self._reducer = switch.reducer = GradReducer(
-                self._optimizer, unused=switch.unused, divide=switch.divide, sync_in_backward=switch
-            )
-            # The wrapper's forward and hooks wait for the parameters (param_reads): the
-            # step can return with their exchange in flight, behind the next forward.
-            self._optimizer.defer_exchange = True
-            switch.exchange = self._optimizer.param_exchange
+        self.reduce_in_shards(self._optimizer.params)
         device = next(iter(self._optimizer._params), torch.empty(0)).device
         per_rank = collectives.all_gather_ints(self._optimizer.state_bytes(), group, device)
         logger.info(
@@ -123,6 +109,37 @@ class FairseqOSSAdam(FairseqOptimizer):
             ", ".join(f"{b / 2**20:.2f}" for b in per_rank),
             sum(per_rank) / 2**20,
         )
+
+    def reduce_in_shards(self, model_params, layout=None) -> bool:
+        """Take over the reduction of ``model_params``' gradients, if a
+        :class:`~fairseq_oss.integration.grad_sync.ShardedGradDataParallel` holds them
+        and there is more than one rank; whether it did. ``model_params`` are this
+        optimizer's own parameters, or (``layout`` given, as
+        :meth:`ShardedAdam.exchange_into` takes it) the model's fp16 parameters of which
+        fairseq's ``--fp16`` built them a flat fp32 master copy. Not collective."""
+        switch = grad_sync.switch_of(model_params)
+        if switch is None or self._optimizer.world_size == 1:
+            return False
+        # fairseq rebuilds its optimizer when it resumes: the previous one's hooks go, and
+        # what its last step left in flight is waited for.
+        if switch.reducer is not None:
+            switch.reducer.remove_hooks()
+        if switch.exchange is not None:
+            switch.exchange.wait_all()
+        sources = None
+        if layout is not None:
+            sources = list(model_params)
+            self._optimizer.exchange_into(sources, layout)
+        unused = switch.unused if layout is None else "zero"  # fairseq's --fp16 zero-fills
+        self._reducer = switch.reducer = GradReducer(
+            self._optimizer, unused=unused, divide=switch.divide, sync_in_backward=switch,
+            sources=sources, layout=layout,
+        )
+        # The wrapper's forward and hooks wait for the parameters (param_reads): the step
+        # can return with their exchange in flight, behind the next forward.
+        self._optimizer.defer_exchange = True
+        switch.exchange = self._optimizer.param_exchange
+        return True
 
     # Same hyperparameters, parsed the same way, as --optimizer adam.
     optimizer_config = FairseqAdam.optimizer_config

@@ -120,8 +120,12 @@ _train_step, _task_step, _optimizer_step = Trainer.train_step, FairseqTask.train
 
 def _grad_bytes(trainer):
     params = list(trainer.model.parameters()) + list(trainer.criterion.parameters())
-    total = sum(_bytes(p.grad) for p in params if p.grad is not None)
     opt = trainer.optimizer
+    # --fp16's fp32 master copy (a dict of flat tensors, or a list): its gradient too
+    masters = getattr(opt, "fp32_params", None)
+    if masters is not None:
+        params += list(masters.values()) if isinstance(masters, dict) else list(masters)
+    total = sum(_bytes(p.grad) for p in params if p.grad is not None)
     # fairseq's precision wrappers hold oss_adam as fp32_optimizer (--amp) or wrapped_optimizer
     opt = getattr(opt, "fp32_optimizer", None) or getattr(opt, "wrapped_optimizer", None) or opt
     reducer = getattr(opt, "_reducer", None)
