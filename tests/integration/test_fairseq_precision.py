@@ -132,13 +132,25 @@ def test_fp16_without_flat_master_same_numbers_as_adam(data, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["fp16", "memory_efficient_fp16"])
+def test_one_rank_same_numbers_as_adam(data, tmp_path, mode):
+    """At one rank there is nothing to reduce: oss_adam steps fairseq's master copy (--fp16)
+    or the fp16 parameters themselves as adam does, bit for bit. (--amp: resumed at 1 above.)"""
+    dirs = {}
+    for opt in ("adam", "oss_adam"):
+        dirs[opt] = str(tmp_path / opt)
+        log = train(data, dirs[opt], opt, 1, FIRST, extra=[*MODES[mode], *SCALE[mode]])
+        assert OVERFLOW[mode] in log
+    assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
+
+
+@pytest.mark.parametrize("mode", ["fp16", "memory_efficient_fp16", "amp"])
 def test_at_3_ranks_as_far_from_adam_as_adams_own_backends(data, tmp_path, mode):
-    """At 3 ranks, --fp16 and --memory-efficient-fp16: the reduce-scatter sums each fp16
-    gradient in another order than gloo's all-reduce, and Adam turns the rounding of a
-    near-zero sum into a step of its own. fairseq's adam under legacy_ddp, which also sums
-    in another order, differs from adam under pytorch_ddp by as much (measured, after
-    these 6 updates, of the largest weight: --fp16 1.45e-3, oss_adam 1.39e-3;
-    --memory-efficient-fp16 1.31e-3, oss_adam 1.32e-3): oss_adam stays within twice that."""
+    """At 3 ranks, in each mode: the reduce-scatter sums each gradient in another order
+    than gloo's all-reduce, and Adam turns the rounding of a near-zero sum into a step of
+    its own. fairseq's adam under legacy_ddp, which also sums in another order, differs
+    from adam under pytorch_ddp by as much (measured, after these 6 updates, of the
+    largest weight: --fp16 1.45e-3, oss_adam 1.39e-3; --memory-efficient-fp16 1.31e-3,
+    oss_adam 1.32e-3; --amp 6.5e-8, oss_adam 8.8e-8): oss_adam stays within twice that."""
     runs = {"adam": ("adam", []), "adam legacy_ddp": ("adam", ["--ddp-backend", "legacy_ddp"]), "oss_adam": ("oss_adam", [])}
     dirs = {}
     for name, (opt, flags) in runs.items():
