@@ -12,7 +12,9 @@ Not a test (CI has no GPU; the suite runs on CPU with gloo). For a machine with 
    are compared bit for bit, half way and at the end.
 2. In one process, NCCL at world size 1: CUDA tensors through the gradient hooks, one
    ``reduce_scatter_tensor`` per bucket, the sharded step with its exchange deferred,
-   against fairseq's Adam on the same gradients, bit for bit.
+   against fairseq's Adam on the same gradients, bit for bit; and ``--fp16``'s layout (an
+   fp16 model over a flat fp32 master copy: fp16 reduce-scatter into the master's shard,
+   the updated shard written into the model) against fairseq's fp16 Adam, bit for bit.
 3. Two ranks on the one GPU under NCCL, to say why nothing here runs NCCL at two ranks:
    NCCL refuses two ranks on one device (multi-rank NCCL needs a machine with two GPUs).
 4. The optimizer step alone, ShardedAdam against fairseq's Adam (and torch's foreach and
@@ -218,6 +220,15 @@ def part_in_process(device):
         check(early > 0, f"buckets reduced during backward, before finish ({early})")
         check(all(abs(a - b) <= 1e-6 * b for a, b in norms), f"gradient norm from the shards = adam's ({norms[-1]})")
         check(all(p.grad is None for p in opt.params), "no full .grad kept after the reduction")
+        # --fp16's layout: an fp16 model over a flat fp32 master copy, reduced in fp16 into
+        # the master's shard, the updated shard written into the fp16 model
+        from fp16_master import master_job
+
+        r = master_job(0, 1, "reduce_scatter", "all_gather", device)
+        check(all(all(eq) for eq in r["equal"]) and r["master_shards_equal"],
+              f"--fp16 layout: fp16 parameters after {len(r['equal'])} steps equal fairseq's fp16 Adam's bit for bit")
+        check(r["dtypes"] == {"torch.float32"} and all(r["master_grad"]),
+              "--fp16 layout: fp32 shards handed to the step, no full gradient kept")
     finally:
         torch.use_deterministic_algorithms(False)
         dist.destroy_process_group()

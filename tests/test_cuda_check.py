@@ -15,4 +15,5 @@ def test_dry_run_on_cpu_passes(data, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "parameters after 6 steps equal fairseq Adam's bit for bit" in out
+    assert "--fp16 layout: fp16 parameters after 5 steps equal fairseq's fp16 Adam's bit for bit" in out
     assert "0 check(s) failed" in out and "FAIL" not in out
