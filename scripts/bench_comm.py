@@ -40,6 +40,9 @@ CONTENDERS = {
 }
 TIMED = ["adam", "ZeroRedundancyOptimizer", "oss_adam all_reduce", "oss_adam reduce_scatter"]
 PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "memory-efficient-fp16": ["--memory-efficient-fp16"], "amp": ["--amp"]}
+# fairseq refuses fairscale OSS and ZeroRedundancyOptimizer over --fp16's flat master copy,
+# and says to add this flag (one fp32 master copy per parameter).
+NO_FLAT_MASTER = {"fairscale OSS", "ZeroRedundancyOptimizer"}
 
 
 def run(name, data, work, world_size, updates, count, bucket_mb=None, precision="fp32"):
@@ -47,6 +50,8 @@ def run(name, data, work, world_size, updates, count, bucket_mb=None, precision=
     cmd = [os.path.join(bench.BIN, "fairseq-train"), *bench.model_args(SIZE, data), *CONTENDERS[name],
            "--save-dir", os.path.join(work, "save"), "--no-save", "--max-update", str(updates),
            "--user-dir", PROBE, *PRECISIONS[precision]]
+    if precision == "fp16" and name in NO_FLAT_MASTER:
+        cmd.append("--fp16-no-flatten-grads")
     if world_size > 1:
         cmd += ["--distributed-world-size", str(world_size)]
     if bucket_mb is not None and "oss_adam" in name:
@@ -133,7 +138,8 @@ def main(argv=None):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
             f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; {args.precision} "
-            f"({' '.join(PRECISIONS[args.precision]) or 'no precision flag'}), gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
+            f"({' '.join(PRECISIONS[args.precision]) or 'no precision flag'}"
+            f"{'; fairscale OSS and ZeroRedundancyOptimizer with --fp16-no-flatten-grads, as fairseq asks' if args.precision == 'fp16' else ''}), gloo, ranks are processes on this machine; {time.time() - t0:.0f} s in all. "
             "Bytes: counted at the collectives as NCCL's ring algorithms send them, mean over ranks, median over "
             "updates 3 and later. Grad MB held: the largest rank, after the reduction (the parameters' .grad, "
             "--fp16's fp32 master gradient, oss_adam's shards and buffers). Times: interleaved rounds, "

@@ -67,6 +67,7 @@ def master_layout(fp16_params, fp32_params):
 
 
 def build_optimizer(cls, cfg, params, **kwargs):
+    params = list(params)
     grad_sync.wait_for_params(params)  # the master copy is built from the model's values
     fp16 = ORIGINAL["fp16_build_optimizer"](cfg, params, **kwargs)
     oss = fp16.fp32_optimizer
