@@ -120,13 +120,17 @@ def _largest_difference(a, b):
     return max((ma[k].double() - t.double()).abs().max().item() for k, t in mb.items() if t.is_floating_point()) / largest
 
 
-def test_fp16_without_flat_master_same_numbers_as_adam(data, tmp_path):
+def test_fp16_without_flat_master_under_legacy_ddp_same_numbers_as_adam(data, tmp_path):
     """--fp16 --fp16-no-flatten-grads: one fp32 master copy per parameter, each sharded,
-    reduce-scattered in fp16 and exchanged in fp16 as with the flat copy; bit for bit."""
+    reduce-scattered in fp16 and exchanged in fp16 as with the flat copy; and under
+    --ddp-backend legacy_ddp, which divides each fp16 gradient by N before the sum (the
+    default backend multiplies by 1/N); bit for bit with adam under the same flags.
+    (no_c10d, legacy_ddp's other name, was run once by hand: bit for bit too.)"""
     dirs = {}
     for opt in ("adam", "oss_adam"):
         dirs[opt] = str(tmp_path / opt)
-        log = train(data, dirs[opt], opt, 2, FIRST, extra=[*MODES["fp16"], *SCALE["fp16"], "--fp16-no-flatten-grads"])
+        log = train(data, dirs[opt], opt, 2, FIRST, extra=[*MODES["fp16"], *SCALE["fp16"], "--fp16-no-flatten-grads",
+                                                            "--ddp-backend", "legacy_ddp"])
         assert ("gradients reduce-scattered" in log) == (opt == "oss_adam")
     assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
 
