@@ -4,12 +4,16 @@ Owns what happens before any rank is spawned: refusing a configuration that oss_
 cannot run (in one line, before a model is built or data read), dropping the ``oss_*``
 settings when another optimizer is named, and taking over
 ``--write-checkpoints-asynchronously``, so that every rank's saves go to the background
-(:mod:`.save_path`) and training ends only once the last one is complete.
+(:mod:`.save_path`) and training ends only once the last one is complete. And ``--help``
+with ``--optimizer oss_adam``, which lists oss_adam's flags.
 """
+import contextlib
 import functools
+import io
 import os
 import sys
 
+from fairseq import options
 from fairseq.distributed import utils as distributed_utils
 from omegaconf import OmegaConf
 
@@ -55,5 +59,39 @@ def train_with_async_saves(main, cfg, **kwargs):
     return result
 
 
-PATCHES = [(distributed_utils, "call_main", call_main)]
+_HELP = ("-h", "--help")
+
+
+def _names_oss_adam(argv) -> bool:
+    return any(
+        (a == "--optimizer" and i + 1 < len(argv) and argv[i + 1] == "oss_adam") or a == "--optimizer=oss_adam"
+        for i, a in enumerate(argv)
+    )
+
+
+def parse_args_and_arch(parser, input_args=None, parse_known=False, suppress_defaults=False, modify_parser=None):
+    """fairseq's, but ``--help`` with ``--optimizer oss_adam`` lists the optimizer's flags
+    (``--adam-betas``, ``--oss-grad-reduction``, ...) and those of the chosen task and
+    model: fairseq's first parse prints the help and exits before it adds them. The
+    arguments are parsed without ``--help`` first, quietly (where that fails, without a
+    data directory or an ``--arch``, the help holds what was added before the failure, and
+    oss_adam's flags), then the whole help is printed."""
+    argv = list(sys.argv[1:] if input_args is None else input_args)
+    if suppress_defaults or not any(a in _HELP for a in argv) or not _names_oss_adam(argv):
+        return ORIGINAL["parse_args_and_arch"](parser, input_args, parse_known, suppress_defaults, modify_parser)
+    rest = [a for a in argv if a not in _HELP]
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            ORIGINAL["parse_args_and_arch"](parser, rest, True, False, modify_parser)
+        except (SystemExit, Exception):
+            pass
+    if "--oss-grad-reduction" not in parser._option_string_actions:  # the parse stopped before the optimizer
+        from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+        gen_parser_from_dataclass(parser, optimizer.FairseqOSSAdamConfig())
+    parser.print_help()
+    sys.exit(0)
+
+
+PATCHES = [(distributed_utils, "call_main", call_main), (options, "parse_args_and_arch", parse_args_and_arch)]
 patching.apply(PATCHES)

@@ -57,3 +57,21 @@ def test_tuple_overrides_are_quoted_for_hydra(argv, expected):
     from fairseq_oss.integration.compat import quote_tuple_overrides
 
     assert quote_tuple_overrides(argv) == expected
+
+
+@pytest.mark.parametrize("with_model", [True, False], ids=["data-task-arch", "flags-only"])
+def test_help_with_oss_adam_lists_its_flags(data, with_model):
+    """fairseq's --help stops before it adds the optimizer's flags; with --optimizer oss_adam
+    it lists them (adam's own and --oss-*, with their help) and exits 0."""
+    import os
+
+    from launch import BIN, ENV
+
+    args = [data, "--task", "language_modeling", "--arch", "transformer_lm"] if with_model else []
+    proc = subprocess.run([os.path.join(BIN, "fairseq-train"), *args, "--optimizer", "oss_adam", "--help"],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "--oss-grad-reduction {auto,reduce_scatter,all_reduce} how gradients are summed" in out
+    assert "--adam-betas" in out and "--oss-bucket-mb" in out
+    assert ("--decoder-layers" in out) == with_model
