@@ -30,7 +30,8 @@ With ``--update-freq``, the backward passes of the first micro-batches run with
 Under fairseq's ``--fp16`` the optimizer's parameter is one flat fp32 master copy of the
 model's fp16 parameters, which are what backward gives gradients to: the reducer is then
 built over those (``sources``, laid out in the master as ``layout`` says), reduces in their
-dtype, as fairseq's DDP does, and hands the optimizer each shard in the master's dtype.
+dtype, as fairseq's DDP does, and hands the optimizer each shard in the master's dtype
+(keeping that copy only).
 """
 import collections
 from typing import Callable, Dict, List, Optional, Tuple
@@ -114,7 +115,8 @@ class GradReducer:
         self._order = list(range(len(self._buckets) - 1, -1, -1))
         # Each bucket's reduced shard, padded to the bucket's shard size (reduce_scatter's output).
         self._shards: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
-        # Those shards in the optimizer's dtype, where the reduction's differs.
+        # Those shards in the optimizer's dtype, where the reduction's differs (the reduced
+        # ones are then let go once converted: a rank keeps one copy of its shards).
         self._out: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
         self._staging: Dict[str, List[torch.Tensor]] = {}
         self._slots: Dict[str, int] = {}
@@ -178,6 +180,7 @@ class GradReducer:
                 if self._out[b] is None:
                     self._out[b] = torch.empty_like(shard, dtype=self._out_dtypes[b])
                 shard = self._out[b].copy_(shard)
+                self._shards[b] = None  # the reduction's own dtype is not kept between updates
             views.append(shard[: end - start])
         self.opt.set_reduced_grads(views, used)
         self._done = True
