@@ -1,5 +1,5 @@
-"""GradReducer: gradients reduce-scattered into each rank's shard during backward, on 2
-and 3 CPU ranks with gloo, against the same gradients summed by hand.
+"""GradReducer: gradients reduce-scattered into each rank's shard during backward, on 2,
+3 and 4 CPU ranks with gloo, against the same gradients summed by hand.
 
 Each rank trains the tests' small model on its own inputs, with two micro-batches per
 update (the first under ``no_sync``), real backward passes (the hooks fire as autograd
@@ -101,7 +101,7 @@ def reduce_job(rank, world_size, method, unused):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("unused", ["skip", "zero"])
 def test_point_to_point_reduction_steps_as_adam_on_the_summed_gradients(world_size, unused):
     """Bit for bit: the p2p reduction sums in the reference's order; parameters that no
