@@ -10,7 +10,8 @@ reduction in backward off for fairseq's ``--update-freq`` micro-batches. oss_ada
 :class:`SyncSwitch` that the wrapper registers for its parameters. oss_adam's step then
 leaves its parameters' exchange in flight, and the wrapper makes every read of a
 parameter wait for it (:mod:`fairseq_oss.optim.param_reads`): its forward waits parameter
-by parameter, anything else that reads the model waits for all.
+by parameter, anything else that reads the model waits for all (a deep copy, as fairseq
+builds its EMA, for each parameter it copies).
 """
 import contextlib
 import logging
@@ -20,7 +21,6 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
-from fairseq import trainer as fairseq_trainer
 from fairseq.trainer import Trainer
 from omegaconf import OmegaConf, open_dict
 
@@ -127,7 +127,8 @@ def switch_of(params) -> Optional[SyncSwitch]:
 def wait_for_params(params) -> None:
     """Wait until ``params`` (any of them wrapped by :class:`ShardedGradDataParallel`) hold
     what oss_adam's last step computed: its exchange runs behind the next forward, and a
-    read outside the model's modules (a deep copy) does not wait by itself."""
+    read outside the model's modules (fairseq's FP16Optimizer copying the model into its
+    master) does not wait by itself."""
     switch = switch_of(params)
     if switch is not None and switch.exchange is not None:
         switch.exchange.wait_all()
@@ -218,16 +219,8 @@ def _criterion(self):
     return ORIGINAL["criterion"].fget(self)
 
 
-def build_ema(model, cfg, device):
-    """fairseq's ``build_ema``, which deep-copies the model: the trainer builds it right
-    after the first step, when the parameters may still be arriving."""
-    wait_for_params(model.parameters())
-    return ORIGINAL["build_ema"](model, cfg, device)
-
-
 PATCHES = [
     (Trainer, "model", property(_model)),
     (Trainer, "criterion", property(_criterion)),
-    (fairseq_trainer, "build_ema", build_ema),
 ]
 patching.apply(PATCHES)

@@ -225,6 +225,14 @@ class ParamExchange:
 _LIVE: "weakref.WeakSet[ParamExchange]" = weakref.WeakSet()
 
 
+def wait_for(tensor: torch.Tensor) -> None:
+    """Wait until ``tensor``, if it is a parameter (or a view of one) of any exchange in
+    this process, holds what that exchange's last step computed. Not collective."""
+    for exchange in list(_LIVE):
+        if exchange.unread:
+            exchange.wait_tensor(tensor)
+
+
 @atexit.register
 def _wait_at_exit() -> None:
     """A process that leaves with an exchange in flight (training ended right after a step,

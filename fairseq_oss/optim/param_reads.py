@@ -17,6 +17,9 @@ parameter may come before its pieces have: this module puts the waits where the 
 * **Everything else waits for all of it** (:func:`install_read_hooks`): a forward of any
   module outside that mode (a generator calling ``model.encoder``), ``state_dict()`` (saves,
   EMA), ``load_state_dict()`` of any module of the model; and the next step.
+* **A deep copy** of a parameter (so of any module holding one: fairseq builds its EMA as
+  ``copy.deepcopy(model)`` right after a step) waits for that parameter: the first
+  :class:`ReadGuard` wraps ``torch.nn.Parameter.__deepcopy__`` for the whole process.
 
 Nothing here is collective: a rank waits for its own messages.
 """
@@ -25,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fairseq_oss.optim import param_exchange
 from fairseq_oss.optim.param_exchange import ParamExchange
 
 
@@ -56,11 +60,13 @@ class ReadGuard:
     """The waits for one model: :meth:`forward` runs a forward under :class:`WaitForParams`,
     and the hooks that :func:`install_read_hooks` installs call :meth:`wait_all` unless
     such a forward is running. ``exchange()`` returns the exchange of the optimizer built
-    last over the model's parameters (None: nothing to wait for)."""
+    last over the model's parameters (None: nothing to wait for). Building one makes deep
+    copies of parameters wait, process-wide."""
 
     def __init__(self, exchange: Callable[[], Optional[ParamExchange]]):
         self.exchange = exchange
         self.in_forward = False
+        _wait_in_deep_copies()
 
     def forward(self, module, *args, **kwargs):
         exchange = self.exchange()
@@ -102,3 +108,20 @@ def install_read_hooks(model: torch.nn.Module, guard: ReadGuard) -> list:
         handles.append(m.register_state_dict_pre_hook(guard.wait_all))
         handles.append(m.register_load_state_dict_pre_hook(guard.wait_all))
     return handles
+
+
+def _deepcopy_when_arrived(self, memo):
+    """``torch.nn.Parameter.__deepcopy__``, once this parameter holds what the last step
+    computed."""
+    if id(self) not in memo:
+        param_exchange.wait_for(self)
+    return PARAMETER_DEEPCOPY(self, memo)
+
+
+PARAMETER_DEEPCOPY = torch.nn.Parameter.__deepcopy__
+
+
+def _wait_in_deep_copies() -> None:
+    """Wrap ``torch.nn.Parameter.__deepcopy__`` (once, for the whole process)."""
+    if torch.nn.Parameter.__deepcopy__ is PARAMETER_DEEPCOPY:
+        torch.nn.Parameter.__deepcopy__ = _deepcopy_when_arrived

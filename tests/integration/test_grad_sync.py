@@ -49,16 +49,17 @@ def test_no_sync_rebuild_and_all_reduce_grads():
 
 
 def ema_job(rank, world_size, fixed):
-    """``fixed=False`` builds the EMA with fairseq's own ``build_ema``: run by hand, its
-    copy holds stale pieces on both ranks (the check that the test can fail)."""
+    """``fixed=False`` builds the EMA with torch's own ``Parameter.__deepcopy__``: run by
+    hand, its copy holds stale pieces (the check that the test can fail)."""
     import time
 
     import torch.distributed as dist
     from fairseq import trainer as fairseq_trainer
     from fairseq.dataclass.configs import EMAConfig
 
-    from fairseq_oss.integration.grad_sync import ORIGINAL, ShardedGradDataParallel, SyncSwitch
+    from fairseq_oss.integration.grad_sync import ShardedGradDataParallel, SyncSwitch
     from fairseq_oss.integration.optimizer import FairseqOSSAdam
+    from fairseq_oss.optim.param_reads import PARAMETER_DEEPCOPY
 
     side = dist.new_group(backend="gloo")  # rank 0 steps before the others, who wait on it
     model = make_model()
@@ -78,8 +79,14 @@ def ema_job(rank, world_size, fixed):
     if rank == 0:
         dist.barrier(group=side)
     # What fairseq's Trainer calls right after the step, the first time (--store-ema).
-    build = fairseq_trainer.build_ema if fixed else ORIGINAL["build_ema"]
-    ema = build(model, EMAConfig(ema_decay=0.9), None)
+    deepcopy_when_arrived = torch.nn.Parameter.__deepcopy__  # wrapped by the wrapper's ReadGuard
+    assert deepcopy_when_arrived is not PARAMETER_DEEPCOPY
+    if not fixed:
+        torch.nn.Parameter.__deepcopy__ = PARAMETER_DEEPCOPY
+    try:
+        ema = fairseq_trainer.build_ema(model, EMAConfig(ema_decay=0.9), None)
+    finally:
+        torch.nn.Parameter.__deepcopy__ = deepcopy_when_arrived
     copied = {k: v.clone() for k, v in ema.get_model().state_dict().items()}
     current = model.state_dict()  # waits for everything
     dist.destroy_process_group(side)

@@ -8,9 +8,11 @@ sent yet. Every read must see what fairseq's Adam, stepped on the same gradients
 a forward through :class:`ReadGuard` in which a module reads a child's weight without
 calling the child (as fairseq's MultiheadAttention does) and another reads its own
 weight where no torch function sees it (as a C++ extension may), a child module called outside
-that forward, ``state_dict()`` (a save right after the step), and ``load_state_dict()``
-(what it loads is not overwritten afterwards by pieces still arriving).
+that forward, ``state_dict()`` (a save right after the step), ``load_state_dict()``
+(what it loads is not overwritten afterwards by pieces still arriving), and a deep copy
+of the model (fairseq's EMA).
 """
+import copy
 import time
 import types
 
@@ -90,11 +92,17 @@ def reads_job(rank, world_size, exchange, bucket_bytes):
     out["state_dict"] = ({k: v.clone() for k, v in reader.state_dict().items()},
                          {k: v.clone() for k, v in ref_reader.state_dict().items()})
 
-    earlier = {k: v.clone() for k, v in reader.state_dict().items()}
     out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 8, side))
+    copied = copy.deepcopy(reader)  # as fairseq builds its EMA
+    out["deepcopy"] = ({k: v.detach().clone() for k, v in copied.named_parameters()},
+                       {k: v.detach().clone() for k, v in ref_reader.named_parameters()})
+
+    earlier = {k: v.clone() for k, v in reader.state_dict().items()}
+    out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 9, side))
     reader.load_state_dict(earlier)
     opt.param_exchange.wait_all()  # anything still arriving would land now
     out["loaded"] = ({k: v.clone() for k, v in reader.state_dict().items()}, earlier)
+
     dist.destroy_process_group(side)
     return out
 
@@ -119,7 +127,7 @@ def test_no_read_right_after_a_deferred_step_is_stale(world_size, exchange, buck
     results = run_ranks(world_size, reads_job, exchange, bucket_bytes, timeout=120)
     assert results[0]["exchange"] == (exchange or "p2p")
     for rank, res in enumerate(results):
-        for what in ("forward", "child", "state_dict", "loaded"):
+        for what in ("forward", "child", "state_dict", "loaded", "deepcopy"):
             _assert_equal(res[what], (rank, what))
     # Each read did come with pieces not waited for yet (none at one rank: nothing to exchange).
     for unread in results[0]["unread"]:
