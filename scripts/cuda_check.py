@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""oss_adam on one CUDA GPU, in one run of a few minutes: what the CPU tests cannot show.
+"""oss_adam on CUDA GPUs, in one run of a few minutes: what the CPU tests cannot show.
 
 Not a test (CI has no GPU; the suite runs on CPU with gloo). For a machine with a GPU:
 
@@ -22,10 +22,15 @@ Not a test (CI has no GPU; the suite runs on CPU with gloo). For a machine with 
 5. fairseq-train's updates per second at one rank, adam against oss_adam, in fp32 and
    with ``--amp``, on a 6-layer transformer_lm: runs one after the other, interleaved
    (adam, oss_adam, adam, oss_adam), the median of fairseq's logged ``ups`` after warm-up.
+6. On a machine with two GPUs or more: fairseq-train at one rank per GPU under NCCL, every
+   mode of part 1, clipping off: oss_adam (reduce-scattered, saving asynchronously) bit for
+   bit with adam at 2 ranks; beyond, within twice what adam under ``legacy_ddp`` differs
+   from adam (the sum's order). Skipped with one GPU.
 
-    python scripts/cuda_check.py DATA_BIN OUT_DIR [--device cpu]
+    python scripts/cuda_check.py DATA_BIN OUT_DIR [--device cpu] [--parts 123456] [--ranks N]
 
-``--device cpu`` dry-runs parts 1, 2 and 4 on CPU (gloo), to check the script itself.
+``--device cpu`` dry-runs parts 1, 2, 4, 5 and 6 (at 2 ranks, fp32 only) on CPU (gloo), to
+check the script itself.
 Prints a report; exits 1 if a parity check fails.
 """
 import argparse
@@ -87,12 +92,19 @@ def check(ok, what):
 # ---------------------------------------------------------------- 1. fairseq-train
 
 
-def _train(data, out, mode, name, device):
-    save = os.path.join(out, "train", f"{mode}-{name}")
+def _train(data, out, mode, name, device, world_size=1):
+    """One fairseq-train run: ``name`` is adam, adam_again (the control), adam_legacy (adam
+    under ``--ddp-backend legacy_ddp``) or oss_adam (saving asynchronously). At more than
+    one rank clipping is off (``--clip-norm 0``), so that 2 ranks compare bit for bit."""
+    save = os.path.join(out, "train", f"{mode}-{name}" + (f"-{world_size}" if world_size > 1 else ""))
+    if os.path.exists(os.path.join(save, "checkpoint_last.pt")):  # fairseq-train would resume it
+        raise RuntimeError(f"{save} holds an earlier run: give a fresh OUT_DIR")
     os.makedirs(save, exist_ok=True)
     opt = "oss_adam" if name == "oss_adam" else "adam"
     extra = ["--write-checkpoints-asynchronously"] if opt == "oss_adam" else []
+    extra += ["--ddp-backend", "legacy_ddp"] if name == "adam_legacy" else []
     extra += ["--cpu"] if device == "cpu" else []
+    extra += ["--distributed-world-size", str(world_size), "--clip-norm", "0"] if world_size > 1 else []
     cmd = [sys.executable, "-m", "fairseq_cli.train", data, *MODEL, *USER_DIR, *MODES[mode], *extra,
            "--optimizer", opt, "--save-dir", save]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUBLAS_WORKSPACE_CONFIG=":4096:8")
@@ -165,6 +177,60 @@ def _words(d):
     if differ == 0:
         return f"identical ({n} tensors)"
     return f"{differ}/{n} tensors differ, by up to {largest:.3g} ({largest / max(scale, 1e-300):.2g} of the largest value)"
+
+
+# ---------------------------------------------------------------- 6. N ranks
+
+
+def _checkpoints(save_dir):
+    """The checkpoints a run saved: the one at update HALF (``checkpoint_EPOCH_HALF.pt``,
+    unless an epoch ended there, when fairseq writes ``checkpoint_last.pt`` only) and the
+    last."""
+    return sorted(f for f in os.listdir(save_dir) if f.startswith("checkpoint_") and f.endswith(".pt"))
+
+
+def part_ranks(data, out, device, ranks=None):
+    """fairseq-train at ``ranks`` ranks (default: one per GPU; 2 on CPU), each mode: adam,
+    adam again, oss_adam under the reduce-scatter (NCCL's reduce_scatter_tensor and
+    all_gather_into_tensor on GPUs) and, beyond 2 ranks, adam under legacy_ddp."""
+    n = ranks or (torch.cuda.device_count() if device == "cuda" else 2)
+    modes = list(MODES) if device == "cuda" else ["fp32"]  # the dry run checks the script, briefly
+    print(f"\n6. fairseq-train at {n} ranks on {device}: {UPDATES} updates, saves at {HALF} and {UPDATES}, "
+          "no clipping", flush=True)
+    if n < 2:
+        print("  skipped: one GPU (NCCL refuses two ranks on one device: part 3)")
+        return
+    names = ["adam", "adam_again", "oss_adam"] + (["adam_legacy"] if n > 2 else [])
+    for mode in modes:
+        runs = {name: _train(data, out, mode, name, device, n) for name in names}  # one at a time: all GPUs each
+        print(f" {mode}: seconds " + ", ".join(f"{k} {r['s']:.0f}" for k, r in runs.items()), flush=True)
+        bad = [k for k, r in runs.items() if r["rc"] != 0]
+        for k in bad:
+            print("\n".join(runs[k]["log"].splitlines()[-25:]))
+        check(not bad, f"{mode} at {n} ranks: every run exits 0 ({', '.join(bad) or 'none failed'})")
+        if bad:
+            continue
+        log = runs["oss_adam"]["log"]
+        check(f"Adam state sharded over {n} rank(s)" in log and "gradients reduce-scattered" in log,
+              f"{mode} at {n} ranks: oss_adam ran, its gradients reduce-scattered")
+        overflows = [runs[k]["log"].count("overflow detected") for k in ("adam", "oss_adam")]
+        check(overflows[0] == overflows[1], f"{mode} at {n} ranks: oss_adam skips the updates adam skips {overflows}")
+        names = _checkpoints(runs["adam"]["dir"])
+        check(all(_checkpoints(r["dir"]) == names for r in runs.values()) and "checkpoint_last.pt" in names,
+              f"{mode} at {n} ranks: every run saved {names}")
+        for name in names:
+            paths = {k: os.path.join(r["dir"], name) for k, r in runs.items()}
+            control = _differences(paths["adam_again"], paths["adam"])
+            got = _differences(paths["oss_adam"], paths["adam"])
+            print(f"    {name}: adam again vs adam {_words(control)}; oss_adam vs adam {_words(got)}")
+            if n == 2:  # a sum of two values does not depend on its order
+                check(got is not None and (got[0] == 0 or (control is not None and control[0] > 0)),
+                      f"{mode} {name}: oss_adam equals adam bit for bit (or adam is not repeatable here)")
+                continue
+            backends = _differences(paths["adam_legacy"], paths["adam"])
+            print(f"    {name}: adam legacy_ddp vs adam {_words(backends)}")
+            check(got is not None and backends is not None and got[1] <= 2 * backends[1] + 1e-12 * got[2],
+                  f"{mode} {name}: oss_adam within twice fairseq's own backend-to-backend difference of adam")
 
 
 # ---------------------------------------------------------------- 2. in process, NCCL
@@ -352,7 +418,8 @@ def main():
     ap.add_argument("data")
     ap.add_argument("out")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--parts", default="12345")
+    ap.add_argument("--parts", default="123456")
+    ap.add_argument("--ranks", type=int, help="ranks of part 6 (default: one per GPU; 2 on CPU)")
     args = ap.parse_args()
     if args.device == "cuda":
         print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
@@ -361,7 +428,8 @@ def main():
     start = time.monotonic()
     for part, fn in (("2", lambda: part_in_process(args.device)), ("4", lambda: part_step_time(args.device)),
                      ("1", lambda: part_training(args.data, args.out, args.device)),
-                     ("3", part_two_ranks), ("5", lambda: part_speed(args.data, args.out, args.device))):
+                     ("3", part_two_ranks), ("6", lambda: part_ranks(args.data, args.out, args.device, args.ranks)),
+                     ("5", lambda: part_speed(args.data, args.out, args.device))):
         if part in args.parts and not (part == "3" and args.device != "cuda"):
             try:
                 fn()
