@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launch import BIN, TRANSLATION, run
+from launch import BIN, FIRST, TRANSLATION, run, train
 from ranks import shutdown_pools
 
 
@@ -34,6 +34,26 @@ def data(tmp_path_factory):
                    check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return os.path.join(out, "bin")
+
+
+@pytest.fixture(scope="session")
+def trained(data, tmp_path_factory):
+    """fairseq-train runs from scratch on the tiny corpus (launch.COMMON), each made once
+    per session and shared by every test that asks for the same one:
+    ``trained(optimizer, world_size)`` is its save directory after FIRST updates. Tests
+    read it, or copy it before training on from it."""
+    root = tmp_path_factory.mktemp("trained")
+    made = {}
+
+    def get(optimizer, world_size):
+        key = optimizer, world_size
+        if key not in made:
+            d = str(root / f"{optimizer}-{world_size}")
+            train(data, d, optimizer, world_size, FIRST)
+            made[key] = d
+        return made[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +80,7 @@ def translation(data, tmp_path_factory):
 
 
 # fixtures that train through fairseq-train, or make a corpus for it
-_TRAINING_FIXTURES = {"data", "made", "saved", "translation", "base", "three_ranks", "short_epochs", "corpus",
+_TRAINING_FIXTURES = {"data", "trained", "made", "saved", "translation", "base", "three_ranks", "short_epochs", "corpus",
                       "stock_adam_resumed"}
 
 

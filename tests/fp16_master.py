@@ -51,7 +51,6 @@ def master_job(rank, world_size, method, exchange, device="cpu"):
     opt.exchange_into(params, layout)
     reducer = GradReducer(opt, method=method, unused="zero", sources=params, layout=layout)
     out = {"equal": [], "master_grad": [], "held": [], "dtypes": set()}
-    start, end = 0, 0
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         reducer.reset()

@@ -28,6 +28,7 @@ MODEL = [
     "--share-decoder-input-output-embed", "--tokens-per-sample", "16", "--max-tokens", "64",
     "--lr", "0.002", "--clip-norm", "0.5", "--cpu", "--seed", "1", "--no-epoch-checkpoints",
     "--disable-validation", "--log-format", "simple", "--log-interval", "1",
+    "--num-workers", "0",
 ]
 UPDATES = 3
 

@@ -18,14 +18,9 @@ from checks import assert_close_training_state, assert_same_training_state, load
 from launch import SUM_ORDER_RTOL, ASYNC, COMMON, ENV, FIRST, PLUGIN, RESUMED, ROOT, WITHOUT_HOOK, attempt, ckpt, digest, free_port, train, train_cmd
 
 @pytest.fixture(scope="module")
-def saved(data, tmp_path_factory):
+def saved(trained):
     """Checkpoints after FIRST updates at 2 ranks: oss_adam's and stock adam's."""
-    root = tmp_path_factory.mktemp("saved")
-    out = {}
-    for opt in ("oss_adam", "adam"):
-        out[opt] = str(root / opt)
-        train(data, out[opt], opt, 2, FIRST)
-    return out
+    return {opt: trained(opt, 2) for opt in ("oss_adam", "adam")}
 
 
 def test_every_rank_writes_its_part_of_the_state_and_the_weights(saved):

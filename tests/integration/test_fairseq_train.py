@@ -16,7 +16,7 @@ import torch
 import re
 
 from checks import assert_close_training_state, assert_same_training_state, load
-from launch import (ASYNC, BIN, CLIPPING, COMMON, ENV, FIRST, RESUMED, ROOT, SUM_ORDER_RTOL, WITHOUT_HOOK, ckpt,
+from launch import (ASYNC, BIN, CLIPPING, COMMON, DEFAULT_WORKERS, ENV, FIRST, RESUMED, ROOT, SUM_ORDER_RTOL, WITHOUT_HOOK, ckpt,
                     run, tool, train)
 
 
@@ -29,16 +29,9 @@ def assert_matches_adam(got, want, world_size):
         assert_close_training_state(got, want, SUM_ORDER_RTOL)
 
 @pytest.fixture(scope="module")
-def base(data, tmp_path_factory):
+def base(trained):
     """Checkpoints after FIRST updates, per (optimizer, world size), spawned by fairseq."""
-    root = tmp_path_factory.mktemp("base")
-    dirs = {}
-    for ws in (1, 2, 3):
-        for opt in ("adam", "oss_adam"):
-            d = str(root / f"{opt}-{ws}")
-            train(data, d, opt, ws, FIRST)
-            dirs[opt, ws] = d
-    return dirs
+    return {(opt, ws): trained(opt, ws) for ws in (1, 2, 3) for opt in ("adam", "oss_adam")}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -144,9 +137,10 @@ def test_resume_at_another_world_size(data, base, tmp_path, save_ws, load_ws):
 )
 def test_launch_styles(data, base, tmp_path, launch, ddp_backend):
     """Every launcher and both DDP backends train on CPU and reach the same parameters
-    as fairseq's own spawn with the default backend (tested in test_parity_with_adam)."""
+    as fairseq's own spawn with the default backend (tested in test_parity_with_adam),
+    with fairseq's default loader process per rank (the base runs load in process)."""
     d = str(tmp_path / "run")
-    log = train(data, d, "oss_adam", 2, FIRST, launch=launch, extra=["--ddp-backend", ddp_backend])
+    log = train(data, d, "oss_adam", 2, FIRST, launch=launch, extra=["--ddp-backend", ddp_backend, *DEFAULT_WORKERS])
     assert "Adam state sharded over 2 rank(s)" in log
     assert_same_training_state(ckpt(d), ckpt(base["oss_adam", 2]))
 
@@ -163,7 +157,7 @@ def test_hydra_config_matches_adam(data, tmp_path):
              "--config-name", "lm_tiny", f"task.data={data}", override,
              "optimizer.adam_betas=(0.9,0.98)", "optimization.max_update=4",
              "lr_scheduler.warmup_updates=2", f"checkpoint.save_dir={d}", f"hydra.run.dir={d}/hydra",
-             "dataset.disable_validation=true"], os.path.join(str(tmp_path), f"{opt}.log"))
+             "dataset.disable_validation=true", "dataset.num_workers=0"], os.path.join(str(tmp_path), f"{opt}.log"))
     cfg = load(ckpt(dirs["oss_adam"]))["cfg"]
     assert cfg["optimizer"]["_name"] == "oss_adam" and cfg["optimizer"]["adam_betas"] == "(0.9,0.98)"
     assert cfg["distributed_training"]["distributed_world_size"] == 2
@@ -192,7 +186,7 @@ def test_a_short_run_saves_in_the_background_and_resumes_at_another_world_size(d
     2 ranks, saving in the background every 2 updates; the checkpoint verifies, and a
     resume on 1 rank continues from it."""
     d = str(tmp_path / "run")
-    log = train(data, d, "oss_adam", 2, 4, extra=["--save-interval-updates", "2", *ASYNC])
+    log = train(data, d, "oss_adam", 2, 4, extra=["--save-interval-updates", "2", *ASYNC, *DEFAULT_WORKERS])
     assert "asynchronous save of" in log and "Adam state sharded over 2 rank(s)" in log
     rc, out, err = tool("verify", ckpt(d))
     assert rc == 0 and "intact" in out, err

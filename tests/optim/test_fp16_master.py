@@ -3,7 +3,7 @@ with gloo, against fairseq's fp16 adam computed by hand on every rank."""
 import pytest
 import torch
 
-from fp16_master import STEPS, master_job
+from fp16_master import master_job
 from ranks import run_ranks
 
 

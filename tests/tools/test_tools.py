@@ -13,18 +13,12 @@ import pytest
 import torch
 
 from checks import load
-from launch import BIN, ENV, HUB, ckpt, run, tool, train
+from launch import BIN, ENV, FIRST, HUB, ckpt, run, tool, train
 
 @pytest.fixture(scope="module")
-def made(data, tmp_path_factory):
-    """Checkpoints after 3 updates at 2 ranks: oss_adam's (manifest) and adam's (torch.save)."""
-    root = tmp_path_factory.mktemp("tools")
-    out = {}
-    for opt in ("oss_adam", "adam"):
-        d = str(root / opt)
-        train(data, d, opt, 2, 3)
-        out[opt] = ckpt(d)
-    return out
+def made(trained):
+    """Checkpoints after FIRST updates at 2 ranks: oss_adam's (manifest) and adam's (torch.save)."""
+    return {opt: ckpt(trained(opt, 2)) for opt in ("oss_adam", "adam")}
 
 
 @pytest.mark.parametrize("opt", ["oss_adam", "adam"])
@@ -41,8 +35,8 @@ def test_inspect_reports_what_torch_load_sees(made, opt):
     state = want["last_optimizer_state"]["state"]
     assert got["optimizer"]["entries"] == len(state)
     assert got["optimizer"]["bytes_by_key"]["exp_avg"] == sum(v["exp_avg"].numel() * 4 for v in state.values())
-    assert got["optimizer"]["step"] == [3, 3] and got["optimizer"]["name"] == "FairseqAdam"
-    assert got["training"]["num_updates"] == 3 and got["training"]["world_size"] == 2
+    assert got["optimizer"]["step"] == [FIRST, FIRST] and got["optimizer"]["name"] == "FairseqAdam"
+    assert got["training"]["num_updates"] == FIRST and got["training"]["world_size"] == 2
     assert got["training"]["optimizer_config"] == opt
     if opt == "oss_adam":
         assert got["written_by"].startswith("fairseq-oss ") and got["checksums"].startswith("per 1 MiB chunk")
