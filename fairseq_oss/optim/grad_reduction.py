@@ -7,13 +7,17 @@ rank's reduced shard:
 
 1. A hook on every parameter (``register_post_accumulate_grad_hook``) counts, per bucket of
    the optimizer's partition, the parameters whose gradient this backward has produced.
-2. Buckets are started in one fixed order on every rank (the partition's buckets from last
-   to first, roughly the order backward produces them), each as soon as it and every bucket
-   before it in that order are complete: its gradients are copied, pre-divided by N as
-   fairseq's DDP does, into one staging buffer, and each rank's slice of it goes to that
-   rank in one message (point to point on gloo, whose own reduce-scatter is several times
-   slower than its all-reduce) or through one ``reduce_scatter_tensor`` (NCCL).
-3. A parameter whose buckets have all been staged loses its ``.grad`` at once. During
+2. The reduction is cut into parts, started in one fixed order on every rank (the
+   partition's buckets from last to first, roughly the order backward produces them), each
+   as soon as the gradients it covers and every part before it in that order are complete.
+   A part's gradients are copied, pre-divided by N as fairseq's DDP does, into its bucket's
+   staging buffer. Point to point (gloo, whose own reduce-scatter is several times slower
+   than its all-reduce) a part is one rank's slice of a bucket, taken from the bucket's end
+   (the gradients backward gives first) to its start, and goes to that rank in one message
+   as soon as it is staged, while backward computes the rest of the bucket: one message per
+   bucket and peer, the first of them long before the bucket is complete. With
+   ``reduce_scatter_tensor`` (NCCL) a part is a whole bucket, one collective.
+3. A parameter whose parts have all been staged loses its ``.grad`` at once. During
    backward a rank holds the gradients not staged yet, the staging buffers of at most
    ``in_flight + 1`` buckets and its shards; once the reduction is done, its shard of
    every bucket only (1/N of the gradients, kept from one update to the next).
@@ -34,17 +38,33 @@ dtype, as fairseq's DDP does, and hands the optimizer each shard in the master's
 (keeping that copy only).
 """
 import collections
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from fairseq_oss.optim import collectives
-from fairseq_oss.optim.partition import bucket_onto
+from fairseq_oss.optim.partition import Piece, bucket_onto, clip_pieces
 
 # Point-to-point tags of the reduction (the step's exchange uses small tags of its own).
 TAG_BASE = 1 << 20
 UNUSED_POLICIES = ("skip", "zero")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One part of a reduction: elements ``[lo, hi)`` of a bucket's padded staging buffer
+    (``pieces``, offsets in the bucket), sent to rank ``dest`` (point to point) or to all
+    (``None``: one reduce-scatter of the whole bucket). ``first``: the bucket's first part
+    in the reduction's order."""
+
+    bucket: int
+    dest: Optional[int]
+    lo: int
+    hi: int
+    pieces: Tuple[Piece, ...]
+    first: bool
 
 
 class GradReducer:
@@ -106,13 +126,12 @@ class GradReducer:
         self._out_dtypes = [optimizer.params[b.pieces[0].param].dtype for b in part.buckets]
         # A parameter that requires no gradient never gets one: no hook, not waited for.
         grads = [p.requires_grad for p in self._params]
-        bucket_params = [sorted({pc.param for pc in b.pieces if grads[pc.param]}) for b in self._buckets]
-        self._bucket_params = bucket_params
-        self._param_buckets: Dict[int, List[int]] = collections.defaultdict(list)
-        for b, params in enumerate(bucket_params):
+        self._parts = self._cut_into_parts()
+        self._part_params = [sorted({pc.param for pc in part.pieces if grads[pc.param]}) for part in self._parts]
+        self._param_parts: Dict[int, List[int]] = collections.defaultdict(list)
+        for u, params in enumerate(self._part_params):
             for i in params:
-                self._param_buckets[i].append(b)
-        self._order = list(range(len(self._buckets) - 1, -1, -1))
+                self._param_parts[i].append(u)
         # Each bucket's reduced shard, padded to the bucket's shard size (reduce_scatter's output).
         self._shards: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
         # Those shards in the optimizer's dtype, where the reduction's differs (the reduced
@@ -129,11 +148,29 @@ class GradReducer:
 
     # ------------------------------------------------------------------ per update
 
+    def _cut_into_parts(self) -> List["_Part"]:
+        """The parts of the reduction in the order they start (see the module docstring)."""
+        parts = []
+        for b in range(len(self._buckets) - 1, -1, -1):
+            bucket = self._buckets[b]
+            c = bucket.shard_numel
+            if self.method == "reduce_scatter":
+                ranges = [(None, 0, c * self.world_size)]
+            else:
+                ranges = [(r, r * c, (r + 1) * c) for r in range(self.world_size - 1, -1, -1)]
+            for dest, lo, hi in ranges:
+                pieces = tuple(
+                    Piece(pc.param, pc.param_offset, pc.offset + lo, pc.numel)
+                    for pc in clip_pieces(bucket.pieces, lo, min(hi, bucket.numel))
+                )
+                parts.append(_Part(b, dest, lo, hi, pieces, first=dest in (None, self.world_size - 1)))
+        return parts
+
     def _reset(self) -> None:
-        self._remaining = [len(ps) for ps in self._bucket_params]
+        self._remaining = [len(ps) for ps in self._part_params]
         self._staged = [0] * len(self._params)
         self._used = [False] * len(self._params)
-        self._next = 0  # position in self._order of the next bucket to start
+        self._next = 0  # index in self._parts of the next part to start
         self._flying: collections.deque = collections.deque()
         self._done = False
 
@@ -141,15 +178,15 @@ class GradReducer:
         def hook(param):
             if self._done or not self.sync_in_backward():
                 return
-            for b in self._param_buckets[index]:
-                self._remaining[b] -= 1
+            for u in self._param_parts[index]:
+                self._remaining[u] -= 1
             self._start_ready()
 
         return hook
 
     def _start_ready(self) -> None:
-        while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
-            self._start(self._order[self._next])
+        while self._next < len(self._parts) and self._remaining[self._next] == 0:
+            self._start(self._next)
             self._next += 1
 
     def finish(self) -> None:
@@ -161,8 +198,8 @@ class GradReducer:
         """
         if self._done:
             return
-        while self._next < len(self._order):
-            self._start(self._order[self._next])
+        while self._next < len(self._parts):
+            self._start(self._next)
             self._next += 1
         while self._flying:
             self._complete(self._flying.popleft())
@@ -189,7 +226,7 @@ class GradReducer:
         """Forget this update's reduction (fairseq's ``zero_grad``): the next backward
         starts a new one. Buckets still in flight are waited for first."""
         while self._flying:
-            self._flying.popleft()["wait"]()
+            collectives.wait_all(self._flying.popleft()["works"])
         self._staging.clear()
         self._reset()
 
@@ -217,17 +254,24 @@ class GradReducer:
             self._slots[bucket.kind] = 0
         return bufs
 
-    def _start(self, b: int) -> None:
+    def _start(self, u: int) -> None:
+        part = self._parts[u]
+        b = part.bucket
         bucket = self._buckets[b]
-        while len(self._flying) >= self.in_flight:
-            self._complete(self._flying.popleft())
-        bufs = self._staging_buffers(bucket)
-        # Round robin over in_flight + 1 buffers: the one reused has completed (FIFO).
-        slot = self._slots[bucket.kind] = (self._slots[bucket.kind] + 1) % len(bufs)
-        staging, recv = bufs[slot]
         c = bucket.shard_numel
-        staging = staging[: c * self.world_size]
-        for pc in bucket.pieces:
+        if part.first:  # the bucket's first part: a staging buffer, and an entry in flight
+            while len(self._flying) >= self.in_flight:
+                self._complete(self._flying.popleft())
+            bufs = self._staging_buffers(bucket)
+            # Round robin over in_flight + 1 buffers: the one reused has completed (FIFO).
+            slot = self._slots[bucket.kind] = (self._slots[bucket.kind] + 1) % len(bufs)
+            staging, recv = bufs[slot]
+            if self._shards[b] is None:
+                self._shards[b] = staging.new_empty(c)
+            self._flying.append({"bucket": b, "staging": staging[: c * self.world_size], "recv": recv, "works": []})
+        flying = self._flying[-1]
+        staging, recv, shard = flying["staging"], flying["recv"], self._shards[b]
+        for pc in part.pieces:
             dst = staging[pc.offset : pc.offset + pc.numel]
             g = self._params[pc.param].grad
             if g is None:
@@ -239,44 +283,40 @@ class GradReducer:
                 torch.mul(src, 1.0 / self.world_size, out=dst)
             else:
                 torch.div(src, self.world_size, out=dst)
-        staging[bucket.numel :].zero_()
+        staging[max(part.lo, bucket.numel) : part.hi].zero_()  # the padding
         # Every piece of these parameters is in a staging buffer now: autograd's copy goes.
-        for i in self._bucket_params[b]:
+        for i in self._part_params[u]:
             self._staged[i] += 1
-            if self._staged[i] == len(self._param_buckets[i]):
+            if self._staged[i] == len(self._param_parts[i]):
                 self._params[i].grad = None
-        if self._shards[b] is None:
-            self._shards[b] = staging.new_empty(c)
-        shard = self._shards[b]
-        if self.method == "reduce_scatter":
-            work = dist.reduce_scatter_tensor(shard, staging, group=self.group, async_op=True)
-            self._flying.append({"bucket": b, "wait": work.wait, "sum": None})
-            return
-        works = []
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            peer = collectives.global_rank(self.group, r)
-            k = r if r < self.rank else r - 1
-            works.append(dist.irecv(recv[k * c : (k + 1) * c], src=peer, group=self.group, tag=TAG_BASE + b))
-            works.append(dist.isend(staging[r * c : (r + 1) * c], dst=peer, group=self.group, tag=TAG_BASE + b))
-
-        def total():
-            # Rank order, own slice in its place: the same sum on every rank, run after run.
-            parts = [
-                staging[r * c : (r + 1) * c] if r == self.rank else recv[(r if r < self.rank else r - 1) * c :][:c]
-                for r in range(self.world_size)
-            ]
-            torch.add(parts[0], parts[1], out=shard)
-            for t in parts[2:]:
-                shard.add_(t)
-
-        self._flying.append({"bucket": b, "wait": lambda: collectives.wait_all(works), "sum": total})
+        works = flying["works"]
+        if part.dest is None:
+            works.append(dist.reduce_scatter_tensor(shard, staging, group=self.group, async_op=True))
+        elif part.dest != self.rank:
+            peer = collectives.global_rank(self.group, part.dest)
+            works.append(dist.isend(staging[part.lo : part.hi], dst=peer, group=self.group, tag=TAG_BASE + b))
+        else:  # this rank's own slice: the others' slices of it are received
+            for r in range(self.world_size):
+                if r != self.rank:
+                    k = r if r < self.rank else r - 1
+                    peer = collectives.global_rank(self.group, r)
+                    works.append(dist.irecv(recv[k * c : (k + 1) * c], src=peer, group=self.group, tag=TAG_BASE + b))
 
     def _complete(self, flying) -> None:
-        flying["wait"]()
-        if flying["sum"] is not None:
-            flying["sum"]()
+        collectives.wait_all(flying["works"])
+        if self.method != "p2p":
+            return
+        # Rank order, own slice in its place: the same sum on every rank, run after run.
+        b = flying["bucket"]
+        c = self._buckets[b].shard_numel
+        staging, recv, shard = flying["staging"], flying["recv"], self._shards[b]
+        parts = [
+            staging[r * c : (r + 1) * c] if r == self.rank else recv[(r if r < self.rank else r - 1) * c :][:c]
+            for r in range(self.world_size)
+        ]
+        torch.add(parts[0], parts[1], out=shard)
+        for t in parts[2:]:
+            shard.add_(t)
 
     def _used_anywhere(self) -> List[bool]:
         if self.unused == "zero":  # as legacy DDP: every parameter that requires one

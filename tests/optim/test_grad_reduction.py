@@ -143,3 +143,51 @@ def test_reduce_scatter_collective_gives_the_same_parameters_within_rounding():
         for n, t in r["ref"].items():
             assert torch.allclose(r["params"][n], t, rtol=1e-5, atol=1e-7), n
         assert r["steps"] == r["ref_steps"] and r["grads_left"] == 0
+
+
+def slices_job(rank, world_size):
+    """Four equal layers in one bucket; what has been sent when backward reaches the first."""
+    from fairseq_oss.optim.grad_reduction import GradReducer
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
+
+    def layers():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+
+    def inputs(r):
+        return torch.randn(3, 16, generator=torch.Generator().manual_seed(r))
+
+    model = layers()
+    opt = ShardedAdam(model.parameters(), bucket_bytes=1 << 20)
+    reducer = None
+    seen = []  # parts started when each of the first layer's gradients arrives
+    for p in model[0].parameters():  # registered first: runs before the reducer's hook
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(reducer._next))
+    reducer = GradReducer(opt, method="p2p")
+    model(inputs(rank)).sum().backward()
+    reducer.finish()
+    ref = layers()  # every rank's gradients times 1/N, summed in rank order, laid end to end
+    total = None
+    for r in range(world_size):
+        ref.zero_grad(set_to_none=True)
+        ref(inputs(r)).sum().backward()
+        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
+        total = flat if total is None else total + flat
+    start, end = opt.partition.buckets[0].shard_range(rank)
+    return {
+        "buckets": len(opt.partition.buckets),
+        "seen": seen,
+        "parts": len(reducer._parts),
+        "shard_equal": torch.equal(opt.reduced_grads()[0], total[start:end]),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_bucket_goes_to_its_owners_slice_by_slice_during_backward(world_size):
+    """One bucket holds the whole model: the slices owned by ranks 1..N-1 (the last layers,
+    whose gradients backward gives first) are sent while backward still computes the first
+    layer, each rank's shard is the exact sum, and one message per peer is all it takes."""
+    for r in run_ranks(world_size, slices_job):
+        assert r["buckets"] == 1 and r["parts"] == world_size
+        assert min(r["seen"]) == world_size - 1  # all but slice 0, which holds the first layer
+        assert r["shard_equal"]
