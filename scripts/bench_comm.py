@@ -14,7 +14,7 @@ figures, to bench-results/comm.md and comm.json.
 
 ``--precision`` trains every contender in that fairseq mode (fp16: ``--fp16``'s flat fp32
 master copy; memory-efficient-fp16; amp) and writes comm-PRECISION.md/json instead; a
-contender that cannot train in it is reported as "-".
+contender that cannot train in it is reported as "-". ``--bucket-mb 4`` adds -4mb to the name.
 """
 import argparse
 import json
@@ -152,7 +152,8 @@ def main(argv=None):
     print(note)
     out_dir = os.path.join(bench.ROOT, "bench-results")
     os.makedirs(out_dir, exist_ok=True)
-    stem = "comm" if args.precision == "fp32" else f"comm-{args.precision}"
+    stem = "comm" + ("" if args.precision == "fp32" else f"-{args.precision}")
+    stem += "" if args.bucket_mb is None else f"-{args.bucket_mb:g}mb"
     command = " ".join(["python scripts/bench_comm.py", *(argv if argv is not None else sys.argv[1:])])
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(f"Measured {time.strftime('%Y-%m-%d')} (`{command}`).\n\n{table}\n\n{note}\n")
