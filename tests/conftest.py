@@ -8,12 +8,13 @@ runs ranks in worker processes (``run_ranks``).
 """
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from launch import BIN, FIRST, TRANSLATION, run, train
+from launch import BIN, FIRST, RESUMED, TRANSLATION, run, train
 from ranks import shutdown_pools
 
 
@@ -51,6 +52,25 @@ def trained(data, tmp_path_factory):
             d = str(root / f"{optimizer}-{world_size}")
             train(data, d, optimizer, world_size, FIRST)
             made[key] = d
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def resumed_run(data, trained, tmp_path_factory):
+    """``resumed_run(optimizer, save_ws, load_ws)``: ``trained(optimizer, save_ws)``
+    resumed by the same optimizer at ``load_ws`` ranks to RESUMED updates, made once per
+    session; returns its save directory and rank 0's log. Tests read it, or copy it."""
+    root = tmp_path_factory.mktemp("resumed")
+    made = {}
+
+    def get(optimizer, save_ws, load_ws):
+        key = optimizer, save_ws, load_ws
+        if key not in made:
+            d = str(root / f"{optimizer}-{save_ws}-to-{load_ws}")
+            shutil.copytree(trained(optimizer, save_ws), d)
+            made[key] = d, train(data, d, optimizer, load_ws, RESUMED)
         return made[key]
 
     return get

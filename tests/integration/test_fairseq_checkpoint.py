@@ -39,7 +39,7 @@ def resumed(data, src, tmp, optimizer, world_size, name):
     return ckpt(d)
 
 
-def test_stock_adam_resumes_oss_checkpoint_without_the_plugin(data, saved, tmp_path):
+def test_stock_adam_resumes_oss_checkpoint_without_the_plugin(data, saved, resumed_run, tmp_path):
     """fairseq-train --optimizer adam, in a process that never imports fairseq_oss,
     resumes an oss_adam checkpoint and continues exactly as from adam's own."""
     d = str(tmp_path / "stock")
@@ -49,20 +49,20 @@ def test_stock_adam_resumes_oss_checkpoint_without_the_plugin(data, saved, tmp_p
     rc, out = attempt([sys.executable, "-c", code, *args])
     assert rc == 0, out[-3000:]
     assert "plugin imported: False" in out and f"(epoch 1 @ {FIRST} updates)" in out
-    reference = resumed(data, saved["adam"], tmp_path, "adam", 1, "reference")
-    assert_same_training_state(ckpt(d), reference)
+    reference, _ = resumed_run("adam", 2, 1)  # saved["adam"] resumed by adam at 1 rank
+    assert_same_training_state(ckpt(d), ckpt(reference))
 
 
-def test_oss_adam_resumes_stock_adam_checkpoint(data, saved, tmp_path):
+def test_oss_adam_resumes_stock_adam_checkpoint(data, saved, resumed_run, tmp_path):
     got = resumed(data, saved["adam"], tmp_path, "oss_adam", 3, "oss")
-    want = resumed(data, saved["adam"], tmp_path, "adam", 3, "adam")
+    want = ckpt(resumed_run("adam", 2, 3)[0])  # saved["adam"] resumed by adam at 3 ranks
     assert load(got)["optimizer_history"][-1]["num_updates"] == RESUMED
     assert_close_training_state(got, want, SUM_ORDER_RTOL)  # 3 ranks: the sum's order
 
 
-def test_resume_without_a_shared_file_system(data, saved, tmp_path):
+def test_resume_without_a_shared_file_system(data, saved, resumed_run, tmp_path):
     """--oss-no-shared-fs: rank 0 reads the file and sends each rank its slices."""
-    got = resumed(data, saved["oss_adam"], tmp_path, "oss_adam", 3, "oss")
+    got = ckpt(resumed_run("oss_adam", 2, 3)[0])  # saved["oss_adam"] resumed at 3 ranks
     d = str(tmp_path / "no-shared-fs")
     shutil.copytree(saved["oss_adam"], d)
     train(data, d, "oss_adam", 3, RESUMED, extra=["--oss-no-shared-fs"])

@@ -6,7 +6,6 @@ on CPU, so any difference in the checkpoints comes from the optimizer. Checkpoin
 compared bit for bit (tests/checks.py).
 """
 import os
-import shutil
 import subprocess
 import sys
 
@@ -117,14 +116,13 @@ def test_checkpoint_is_plain_adam_format_and_size(base):
 
 
 @pytest.mark.parametrize("save_ws, load_ws", [(2, 1), (2, 3), (1, 2), (3, 2)])
-def test_resume_at_another_world_size(data, base, tmp_path, save_ws, load_ws):
+def test_resume_at_another_world_size(resumed_run, save_ws, load_ws):
     """A checkpoint saved at N resumes at M, and continues exactly as adam saved at N and
     resumed at M does."""
     dirs = {}
     for opt in ("adam", "oss_adam"):
-        d = dirs[opt] = str(tmp_path / opt)
-        shutil.copytree(base[opt, save_ws], d)
-        log = train(data, d, opt, load_ws, RESUMED)
+        d, log = resumed_run(opt, save_ws, load_ws)
+        dirs[opt] = d
         assert f"Loaded checkpoint {ckpt(d)} (epoch 1 @ {FIRST} updates)" in log
     assert load(ckpt(dirs["oss_adam"]))["optimizer_history"][-1]["num_updates"] == RESUMED
     assert_matches_adam(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]), max(save_ws, load_ws))
