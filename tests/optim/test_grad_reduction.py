@@ -77,7 +77,7 @@ def reduce_job(rank, world_size, method, unused):
         for micro in range(2):
             switch.enabled = micro == 1  # fairseq's no_sync for all micro-batches but the last
             _loss(model, rank, step, micro).backward()
-        out["early"] += reducer._next  # buckets started during backward, before finish
+        out["early"] += reducer._next  # parts (p2p: slices; else buckets) started during backward, before finish
         out["before"].append(reducer.held_bytes())
         reducer.finish()
         out["grads_left"] += sum(p.grad is not None for p in opt.params)
@@ -113,7 +113,7 @@ def test_point_to_point_reduction_steps_as_adam_on_the_summed_gradients(world_si
             assert torch.equal(r["params"][n], t), n
         assert r["steps"] == r["ref_steps"]
         assert r["grads_left"] == 0  # no rank keeps a full .grad after the reduction
-        assert r["early"] > 0  # some buckets left during backward, not at finish
+        assert r["early"] > 0  # some parts left during backward, not at finish
         for got, want in r["norms"]:
             assert abs(got - want) <= 1e-6 * want
     skipped = [s for s in results[0]["steps"] if 0 < s < STEPS]  # 0: the frozen layer
