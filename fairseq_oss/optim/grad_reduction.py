@@ -298,9 +298,14 @@ class GradReducer:
         else:  # this rank's own slice: the others' slices of it are received
             for r in range(self.world_size):
                 if r != self.rank:
-                    k = r if r < self.rank else r - 1
                     peer = collectives.global_rank(self.group, r)
-                    works.append(dist.irecv(recv[k * c : (k + 1) * c], src=peer, group=self.group, tag=TAG_BASE + b))
+                    works.append(dist.irecv(self._from(recv, r, c), src=peer, group=self.group, tag=TAG_BASE + b))
+
+    def _from(self, recv: torch.Tensor, r: int, c: int) -> torch.Tensor:
+        """Where rank ``r``'s slice of this rank's shard (``c`` elements) is received:
+        the other ranks' slices, in rank order."""
+        k = r if r < self.rank else r - 1
+        return recv[k * c : (k + 1) * c]
 
     def _complete(self, flying) -> None:
         collectives.wait_all(flying["works"])
@@ -311,8 +316,7 @@ class GradReducer:
         c = self._buckets[b].shard_numel
         staging, recv, shard = flying["staging"], flying["recv"], self._shards[b]
         parts = [
-            staging[r * c : (r + 1) * c] if r == self.rank else recv[(r if r < self.rank else r - 1) * c :][:c]
-            for r in range(self.world_size)
+            staging[r * c : (r + 1) * c] if r == self.rank else self._from(recv, r, c) for r in range(self.world_size)
         ]
         torch.add(parts[0], parts[1], out=shard)
         for t in parts[2:]:
