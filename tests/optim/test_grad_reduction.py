@@ -191,3 +191,35 @@ def test_a_bucket_goes_to_its_owners_slice_by_slice_during_backward(world_size):
         assert r["buckets"] == 1 and r["parts"] == world_size
         assert min(r["seen"]) == world_size - 1  # all but slice 0, which holds the first layer
         assert r["shard_equal"]
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 1_000_000 + 4001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_squared_norm_is_the_float64_sum_of_squares_to_float32_rounding(numel, dtype):
+    """The norm's squares, chunk by chunk in float32 and summed in float64: every element
+    counted once (chunk boundaries, the remainder), within a few float32 roundings of the
+    exact float64 sum (one float32 norm of the million elements is off by about 2e-5), for
+    fp32 shards and --memory-efficient-fp16's fp16 ones."""
+    from fairseq_oss.optim.grad_reduction import squared_norm
+
+    t = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(dtype)
+    want = t.double().square().sum()
+    got = squared_norm(t)
+    assert got.dtype == torch.float64
+    # (a run of 4096 or the remainder dropped is off by far more than 1e-6 of the sum; at the
+    # small sizes, so is one element)
+    assert abs(got.item() - want.item()) <= 1e-6 * want.item()
+
+
+def test_squared_norm_keeps_inf_and_nan():
+    """fp16's overflow check and fairseq's non-finite gradient norm read inf and nan
+    through the norm, wherever in a shard they are."""
+    from fairseq_oss.optim.grad_reduction import squared_norm
+
+    t = torch.ones(3 * 4096 + 7)
+    for i in (0, 4096, 3 * 4096 + 6):
+        u = t.clone()
+        u[i] = float("inf")
+        assert squared_norm(u).item() == float("inf")
+        u[i] = float("nan")
+        assert squared_norm(u).isnan()
