@@ -345,7 +345,8 @@ class GradReducer:
 
 # Elements whose 2-norm total_norm takes in one float32 reduction: few enough that each is
 # right to float32's rounding (one float32 norm of a few million elements is off by about
-# 5e-5 on CPU), and a float32 reduction is about 20x faster than float64's there.
+# 5e-5 on CPU). A float64 norm would be closer still, but it makes a float64 copy of the
+# shard: 3.5x to 20x the time on CPU (scripts/bench_norm.py).
 NORM_CHUNK = 4096
 
 
