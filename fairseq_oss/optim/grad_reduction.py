@@ -355,10 +355,9 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     :data:`NORM_CHUNK` elements, squared and summed in float64 (inf or nan as ``t`` holds)."""
     flat = t.reshape(-1)
     whole = flat.numel() // NORM_CHUNK * NORM_CHUNK
-    norms = [torch.linalg.vector_norm(flat[whole:], 2, dtype=torch.float32).reshape(1)]
-    if whole:
-        norms.append(torch.linalg.vector_norm(flat[:whole].view(-1, NORM_CHUNK), 2, dim=1, dtype=torch.float32))
-    return sum(n.double().square().sum() for n in norms)
+    rest = torch.linalg.vector_norm(flat[whole:], 2, dtype=torch.float32)
+    runs = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_CHUNK), 2, dim=1, dtype=torch.float32)
+    return rest.double().square() + runs.double().square().sum()
 
 
 def total_norm(shards: List[torch.Tensor], group, params: List[torch.Tensor]) -> torch.Tensor:
