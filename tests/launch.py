@@ -77,16 +77,27 @@ def run(cmd, log, cwd=None):
     return out
 
 
-def train(data, save_dir, optimizer, world_size, max_update, launch="spawn", extra=()):
-    """Run fairseq-train as a user launches it; returns rank 0's log."""
+# fairseq-train with the CPU launch's ranks spawned (fairseq's start method, and this
+# package's where fork is not safe) instead of forked (fairseq_oss/integration/rank_start.py).
+SPAWNED = (
+    "import sys; from fairseq_oss.integration import rank_start; rank_start.START_METHOD = 'spawn'; "
+    "from fairseq_cli.train import cli_main; sys.argv[0] = 'fairseq-train'; cli_main()"
+)
+
+
+def train(data, save_dir, optimizer, world_size, max_update, launch="fairseq", extra=()):
+    """Run fairseq-train as a user launches it; returns rank 0's log. ``launch``:
+    "fairseq" (fairseq-train starts the ranks: forked on Linux), "spawned" (the same, the
+    ranks spawned), "torchrun", or "no-spawn" (one fairseq-train per rank)."""
     os.makedirs(save_dir, exist_ok=True)
     args = [data, *COMMON, "--optimizer", optimizer, "--save-dir", save_dir,
             "--max-update", str(max_update), *extra]
     exe = os.path.join(BIN, "fairseq-train")
     log = os.path.join(save_dir, f"train-{launch}-{world_size}.log")
-    if launch == "spawn":
+    if launch in ("fairseq", "spawned"):
         ws = ["--distributed-world-size", str(world_size)] if world_size > 1 else []
-        return run([exe, *args, *ws], log)
+        cmd = [exe] if launch == "fairseq" else [sys.executable, "-c", SPAWNED]
+        return run([*cmd, *args, *ws], log)
     if launch == "torchrun":
         return run([os.path.join(BIN, "torchrun"), "--nproc-per-node", str(world_size),
                     "--master-port", str(free_port()), exe, *args], log)

@@ -14,7 +14,7 @@ processes; under torchrun it returns         ``$WORLD_SIZE``
 early for the default world size of 1
 ``_infer_torch_distributed_launch_init``:    ``device_id = $LOCAL_RANK``
 ``rank % cuda.device_count()`` divides by 0
-``call_main`` spawns ``min(cuda, ws)``       spawns ``distributed_num_procs``
+``call_main`` spawns ``min(cuda, ws)``       starts ``distributed_num_procs`` (``rank_start``: forked on Linux)
 ``distributed_init`` with the default        ``gloo`` (logged)
 ``nccl`` backend
 ``DistributedDataParallel(device_ids=[0])``  ``device_ids=None`` for a module on CPU (any host)
@@ -45,6 +45,8 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq.models import distributed_fairseq_model
 from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 from fairseq.trainer import Trainer
+
+from fairseq_oss.integration import rank_start
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +111,9 @@ def call_main(cfg, main, **kwargs):
     if dt.distributed_init_method is None or dt.distributed_no_spawn:
         return _ORIGINAL["call_main"](cfg, main, **kwargs)
     kwargs["start_rank"] = dt.distributed_rank
-    dt.distributed_rank = None  # assigned per spawned process
-    torch.multiprocessing.spawn(
-        fn=distributed_utils.distributed_main,
-        args=(main, cfg, kwargs),
-        nprocs=dt.distributed_num_procs or dt.distributed_world_size,
-        join=True,
+    dt.distributed_rank = None  # assigned per started process
+    rank_start.start_ranks(
+        distributed_utils.distributed_main, (main, cfg, kwargs), dt.distributed_num_procs or dt.distributed_world_size
     )
 
 

@@ -27,7 +27,7 @@ def test_every_rank_writes_its_part_of_the_state_and_the_weights(saved):
     """fairseq-train's saves take the parallel path for the Adam state and the model's
     weights: rank 0 neither falls back to writing them alone nor writes the model again
     (which it would log, with why)."""
-    log = open(os.path.join(saved["oss_adam"], "train-spawn-2.log")).read()
+    log = open(os.path.join(saved["oss_adam"], "train-fairseq-2.log")).read()
     assert "oss_adam: the checkpoint save took" in log
     assert "rank 0 writes the weights" not in log and "written again by rank 0" not in log
 

@@ -6,13 +6,14 @@ on CPU, so any difference in the checkpoints comes from the optimizer. Checkpoin
 compared bit for bit (tests/checks.py).
 """
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-import re
+from fairseq_oss.integration import rank_start
 
 from checks import assert_close_training_state, assert_same_training_state, load
 from launch import (ASYNC, BIN, CLIPPING, COMMON, DEFAULT_WORKERS, ENV, FIRST, RESUMED, ROOT, SUM_ORDER_RTOL, WITHOUT_HOOK, ckpt,
@@ -29,7 +30,7 @@ def assert_matches_adam(got, want, world_size):
 
 @pytest.fixture(scope="module")
 def base(trained):
-    """Checkpoints after FIRST updates, per (optimizer, world size), spawned by fairseq."""
+    """Checkpoints after FIRST updates, per (optimizer, world size), launched by fairseq-train."""
     return {(opt, ws): trained(opt, ws) for ws in (1, 2, 3) for opt in ("adam", "oss_adam")}
 
 
@@ -40,9 +41,10 @@ def test_parity_with_adam(base, world_size):
     bit for bit at 1 and 2, to the rounding of the sum's order at 3."""
     assert_matches_adam(ckpt(base["oss_adam", world_size]), ckpt(base["adam", world_size]), world_size)
     assert load(ckpt(base["oss_adam", world_size]))["optimizer_history"][-1]["num_updates"] == FIRST
-    with open(os.path.join(base["oss_adam", world_size], f"train-spawn-{world_size}.log")) as f:
+    with open(os.path.join(base["oss_adam", world_size], f"train-fairseq-{world_size}.log")) as f:
         log = f.read()
     assert f"Adam state sharded over {world_size} rank(s)" in log
+    assert (f"starting {world_size} ranks ({rank_start.START_METHOD})" in log) == (world_size > 1)
     assert ("gradients reduce-scattered into each rank's shard" in log) == (world_size > 1)
 
 
@@ -131,15 +133,18 @@ def test_resume_at_another_world_size(resumed_run, save_ws, load_ws):
 @pytest.mark.parametrize(
     "launch, ddp_backend",
     [("torchrun", "pytorch_ddp"), ("torchrun", "legacy_ddp"), ("no-spawn", "pytorch_ddp"),
-     ("no-spawn", "legacy_ddp"), ("spawn", "legacy_ddp")],
+     ("no-spawn", "legacy_ddp"), ("spawned", "legacy_ddp")],
 )
 def test_launch_styles(data, base, tmp_path, launch, ddp_backend):
     """Every launcher and both DDP backends train on CPU and reach the same parameters
-    as fairseq's own spawn with the default backend (tested in test_parity_with_adam),
-    with fairseq's default loader process per rank (the base runs load in process)."""
+    as fairseq-train's own launch (its ranks forked) with the default backend (tested in
+    test_parity_with_adam), with fairseq's default loader process per rank (the base runs
+    load in process). "spawned": fairseq-train's launch with the ranks spawned, as where
+    fork is not safe (fairseq_oss/integration/rank_start.py)."""
     d = str(tmp_path / "run")
     log = train(data, d, "oss_adam", 2, FIRST, launch=launch, extra=["--ddp-backend", ddp_backend, *DEFAULT_WORKERS])
     assert "Adam state sharded over 2 rank(s)" in log
+    assert ("starting 2 ranks (spawn)" in log) == (launch == "spawned")
     assert_same_training_state(ckpt(d), ckpt(base["oss_adam", 2]))
 
 
