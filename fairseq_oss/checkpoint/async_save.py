@@ -20,7 +20,6 @@ Rules kept (see :mod:`fairseq_oss.integration.save_path` for where they are call
 * on fairseq's crash path (an exception being handled, maybe on one rank), the job is
   waited for without any collective.
 """
-import atexit
 import collections
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from fairseq_oss import exit_handlers
 from fairseq_oss.optim import collectives, gather
 from fairseq_oss.checkpoint import model_weights, save_records
 from fairseq_oss.checkpoint.format import CheckpointError
@@ -370,4 +370,4 @@ def _at_exit():
         os._exit(1)
 
 
-atexit.register(_at_exit)
+exit_handlers.register(_at_exit)

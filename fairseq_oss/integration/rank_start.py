@@ -8,13 +8,12 @@ cores. A forked rank starts from the launcher's process as it is. Nothing CUDA-r
 run there (the CPU launch is taken only without CUDA); macOS is left to spawn, its system
 libraries not being fork-safe.
 
-One difference is made up for: a spawned rank ends as an interpreter does, running the
-exit handlers (``atexit``) of the modules it imported, this package's among them (the last
-parameter exchange waited for, a pending save aborted, the last background save waited
-for); a forked one leaves by ``os._exit`` and would skip them. Each forked rank runs them
-as it ends, after torch has reported its error, if any, to the launcher.
+A forked rank leaves by ``os._exit``, which skips ``atexit``: it runs this package's exit
+handlers (:mod:`fairseq_oss.exit_handlers`: the last parameter exchange waited for, a
+pending save aborted, the last background save waited for) as it ends, after torch has
+reported its error, if any, to the launcher; never the ``atexit`` handlers it inherited,
+which act on the launcher's own files and processes.
 """
-import atexit
 import functools
 import logging
 import multiprocessing.util
@@ -22,6 +21,8 @@ import sys
 from typing import Optional
 
 import torch
+
+from fairseq_oss import exit_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ def start_ranks(fn, args, nprocs: int, start_method: Optional[str] = None) -> No
 def _with_exit_handlers(fn, i, *args):
     # Run by multiprocessing's own exit path in this process (its finalizers with a
     # priority, run once the target returned or raised, after torch's wrapper wrote the
-    # error for the launcher), before os._exit. Handlers inherited from the launcher run
-    # too, as in a spawned rank, which registers the same ones when it imports.
-    multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=0)
+    # error for the launcher), before os._exit.
+    multiprocessing.util.Finalize(None, exit_handlers.run_as_forked_process_ends, exitpriority=0)
     return fn(i, *args)

@@ -32,7 +32,6 @@ fsync'd temporary too. Models holding DTensors get the plugin's state-dict hooks
 (:mod:`fairseq_oss.checkpoint.sharded_tensors`); every rank then calls
 ``Trainer.state_dict()`` during a save.
 """
-import atexit
 import functools
 import logging
 import os
@@ -45,6 +44,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.trainer import Trainer
 
+from fairseq_oss import exit_handlers
 from fairseq_oss.checkpoint import async_save, model_weights
 from fairseq_oss.checkpoint.files import TemporaryFile, clone_or_copy
 from fairseq_oss.checkpoint.format import CheckpointError, CheckpointWriter
@@ -90,7 +90,7 @@ def _abort_pending():
         pending.writer.abort()
 
 
-atexit.register(_abort_pending)
+exit_handlers.register(_abort_pending)
 
 
 # ---------------------------------------------------------------------- save

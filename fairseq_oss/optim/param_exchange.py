@@ -19,13 +19,13 @@ and whoever reads a parameter first waits for what of it has not arrived yet:
 of their own (``EXCHANGE_TAG_BASE`` and up), so an exchange in flight never takes the
 messages of any other point-to-point transfer of the same ranks.
 """
-import atexit
 import logging
 import weakref
 from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
 
+from fairseq_oss import exit_handlers
 from fairseq_oss.optim import collectives
 from fairseq_oss.optim.partition import Bucket, Piece
 
@@ -233,7 +233,7 @@ def wait_for(tensor: torch.Tensor) -> None:
             exchange.wait_tensor(tensor)
 
 
-@atexit.register
+@exit_handlers.register
 def _wait_at_exit() -> None:
     """A process that leaves with an exchange in flight (training ended right after a step,
     nothing read the parameters since) waits for it first, so that no peer loses the

@@ -10,7 +10,6 @@ outside the timed window) to this rank's return to training.
 Changes nothing in what fairseq computes; builds one throwaway optimizer at start-up
 (see below).
 """
-import atexit
 import json
 import os
 import resource
@@ -22,6 +21,7 @@ from fairseq import checkpoint_utils
 from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
+from fairseq_oss import exit_handlers
 from fairseq_oss.checkpoint import async_save
 from fairseq_oss.memory import PeakRss as Peak
 
@@ -113,4 +113,4 @@ Trainer.train_step = train_step
 FairseqTask.optimizer_step = optimizer_step
 Trainer.load_checkpoint = load_checkpoint
 checkpoint_utils.save_checkpoint = save_checkpoint
-atexit.register(dump)
+exit_handlers.register(dump)

@@ -21,7 +21,6 @@ Records on every rank, into $COMM_PROBE_OUT/rank{R}.json at exit, per update:
   step left in flight (oss_adam under reduce_scatter defers its exchange behind the next
   forward), outside the optimizer step (whose own waits are in ``after_backward``).
 """
-import atexit
 import json
 import os
 import resource
@@ -35,6 +34,7 @@ from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
+from fairseq_oss import exit_handlers
 from fairseq_oss.optim import collectives
 from fairseq_oss.optim.param_exchange import ParamExchange
 
@@ -218,4 +218,4 @@ Trainer.__init__ = init
 Trainer.train_step = train_step
 FairseqTask.train_step = task_train_step
 FairseqTask.optimizer_step = optimizer_step
-atexit.register(dump)
+exit_handlers.register(dump)
