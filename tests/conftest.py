@@ -2,9 +2,10 @@
 integration, tools), and the quick tier.
 
 The quick tier (``pytest -m quick``, README's developer loop) is every test that runs in
-the test process alone, plus the end-to-end tests marked ``quick`` by hand: a test is
-not quick if it trains through fairseq (it asks for a corpus or a trained checkpoint) or
-runs ranks in worker processes (``run_ranks``).
+the test process alone (or in processes it forks for a few seconds), plus the end-to-end
+tests marked ``quick`` by hand: a test is not quick if it trains through fairseq (it asks
+for a corpus or a trained checkpoint) or runs ranks in the session's worker pools
+(``run_ranks``).
 """
 import inspect
 import os
