@@ -6,8 +6,8 @@ fork, spawn, fork ...), median over rounds.
 Each figure is the wall time of the whole command, as a user waits for it: the launcher's
 imports, the ranks' start, building the model, a few updates and the last save. The model
 is the tests' tiny transformer_lm (tests/launch.py's COMMON), so the time is mostly
-start-up; both contenders train the same updates and write the same checkpoint (compared
-bit for bit, the run fails otherwise).
+start-up; both contenders train the same updates and write the same checkpoint (model and
+optimizer state compared bit for bit, tests/checks.py; the run fails otherwise).
 
     python scripts/bench_launch.py [--world-sizes 2 3] [--rounds 3] [--updates 6]
 """
@@ -20,15 +20,11 @@ import sys
 import tempfile
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from launch import COMMON, ENV  # noqa: E402 - the tests' model and environment
+from checks import assert_same_training_state  # noqa: E402
+from launch import COMMON, ENV, WITH_START_METHOD  # noqa: E402 - the tests' model, environment, launch
 
-# fairseq-train, with the CPU launch's start method set first (no flag sets it).
-CODE = ("import sys; from fairseq_oss.integration import rank_start; rank_start.START_METHOD = sys.argv.pop(1); "
-        "from fairseq_cli.train import cli_main; sys.argv[0] = 'fairseq-train'; cli_main()")
 METHODS = ("spawn", "fork")
 
 
@@ -42,7 +38,7 @@ def corpus(root):
 
 def run(data, save, method, world_size, updates):
     shutil.rmtree(save, ignore_errors=True)
-    cmd = [sys.executable, "-c", CODE, method, data, *COMMON, "--optimizer", "oss_adam", "--save-dir", save,
+    cmd = [sys.executable, "-c", WITH_START_METHOD, method, data, *COMMON, "--optimizer", "oss_adam", "--save-dir", save,
            "--max-update", str(updates), "--distributed-world-size", str(world_size)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
@@ -50,11 +46,6 @@ def run(data, save, method, world_size, updates):
     if proc.returncode != 0 or f"starting {world_size} ranks ({method})" not in proc.stdout + proc.stderr:
         raise SystemExit(f"{method} at {world_size} ranks failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return seconds
-
-
-def same_model(a, b):
-    ma, mb = (torch.load(os.path.join(d, "checkpoint_last.pt"), weights_only=False)["model"] for d in (a, b))
-    return ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
 def main():
@@ -71,8 +62,7 @@ def main():
                 for m in METHODS:
                     times[n, m].append(run(data, os.path.join(root, f"{m}-{n}"), m, n, args.updates))
             for n in args.world_sizes:
-                if not same_model(os.path.join(root, f"spawn-{n}"), os.path.join(root, f"fork-{n}")):
-                    raise SystemExit(f"at {n} ranks the forked run's model differs from the spawned run's")
+                assert_same_training_state(*(os.path.join(root, f"{m}-{n}", "checkpoint_last.pt") for m in METHODS))
     print(f"fairseq-train, the tests' model, {args.updates} updates and a save, oss_adam; wall seconds of the whole "
           f"command, median of {args.rounds} interleaved rounds (each round's figures in brackets)")
     print("| ranks | spawned, s | forked, s | forked / spawned |")

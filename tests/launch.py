@@ -77,10 +77,11 @@ def run(cmd, log, cwd=None):
     return out
 
 
-# fairseq-train with the CPU launch's ranks spawned (fairseq's start method, and this
-# package's where fork is not safe) instead of forked (fairseq_oss/integration/rank_start.py).
-SPAWNED = (
-    "import sys; from fairseq_oss.integration import rank_start; rank_start.START_METHOD = 'spawn'; "
+# fairseq-train with the CPU launch's start method (fairseq_oss/integration/rank_start.py)
+# set first, from its first argument: "spawn" (fairseq's, and this package's where fork is
+# not safe) or "fork". No flag sets it. Also scripts/bench_launch.py's.
+WITH_START_METHOD = (
+    "import sys; from fairseq_oss.integration import rank_start; rank_start.START_METHOD = sys.argv.pop(1); "
     "from fairseq_cli.train import cli_main; sys.argv[0] = 'fairseq-train'; cli_main()"
 )
 
@@ -96,7 +97,7 @@ def train(data, save_dir, optimizer, world_size, max_update, launch="fairseq", e
     log = os.path.join(save_dir, f"train-{launch}-{world_size}.log")
     if launch in ("fairseq", "spawned"):
         ws = ["--distributed-world-size", str(world_size)] if world_size > 1 else []
-        cmd = [exe] if launch == "fairseq" else [sys.executable, "-c", SPAWNED]
+        cmd = [exe] if launch == "fairseq" else [sys.executable, "-c", WITH_START_METHOD, "spawn"]
         return run([*cmd, *args, *ws], log)
     if launch == "torchrun":
         return run([os.path.join(BIN, "torchrun"), "--nproc-per-node", str(world_size),
