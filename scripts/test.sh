@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite (creating the environment first if needed). Extra arguments go to
-# pytest, e.g. scripts/test.sh -k parity -x
+# pytest, e.g. scripts/test.sh -k parity -x. The tests run in two pytest-xdist worker
+# processes, a test file to each (pytest.ini); -n 0 runs them in this process alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
