@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_fairseq_checkpoint.py, loaded with --user-dir.
+"""Fault injection for the end-to-end tests (tests/integration/), loaded with --user-dir.
 
 Driven by environment variables, so the same plugin serves every test:
 - FAULT_CRASH_RANK=R, FAULT_CRASH_CALL=K: criterion ``faulty_cross_entropy`` raises on
