@@ -384,7 +384,7 @@ def report(results, size, machine):
     params = total / 8  # two fp32 tensors per parameter
     saves = len(base["save_samples"])
     from fairseq_oss.integration.rank_start import START_METHOD  # how fairseq-train started the ranks
-
+    launched = "forked" if START_METHOD == "fork" else "spawned"
     notes = [
         f"Saves: every {size['save_every']} updates ({saves} per run); each from a clean page cache (`sync` and a "
         "barrier before it, outside the timed window), timed from there until the last rank is back in training "
@@ -399,10 +399,9 @@ def report(results, size, machine):
         f"checkpoint after {size['updates'] // 2}; {machine}.",
         "Ratios are to plain adam. State balance: the largest rank's optimizer state over total/N (1.000 is perfect). "
         "Rises are resident-memory rises of the process during the save or load (sampled every ms). "
-        f"Peak RSS: each rank's `ru_maxrss`; the fairseq contenders' ranks are started by fairseq-train's CPU launch "
-        f"({'forked' if START_METHOD == 'fork' else 'spawned'} from its launcher: a forked rank's peak counts the torch and fairseq pages it shares "
-        "with the launcher, a spawned rank those it imported itself), ZeroRedundancyOptimizer's are spawned by "
-        "this script. "
+        "Peak RSS: each rank's `ru_maxrss`; the fairseq contenders' ranks are started by fairseq-train's CPU launch "
+        f"({launched} from its launcher: a forked rank's peak counts the torch and fairseq pages it shares with the "
+        "launcher, a spawned rank those it imported itself), ZeroRedundancyOptimizer's are spawned by this script. "
         "Resumed = uninterrupted: the parameters after the resume on 2 ranks equal those of the run that was not "
         "interrupted, bit for bit; at 1 and 4 ranks fairseq's data order differs, so the parameters are compared "
         "with plain adam's resume from its own checkpoint at the same world size (ZeroRedundancyOptimizer runs AdamW: "
