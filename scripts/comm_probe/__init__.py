@@ -17,6 +17,10 @@ Records on every rank, into $COMM_PROBE_OUT/rank{R}.json at exit, per update:
 * ``seconds``: the update's wall time, and ``after_backward``: from the end of the last
   micro-batch's backward to the end of the optimizer step (gradient reduction left over,
   clipping, the step; for PyTorch's DDP the reduction's tail is inside backward);
+  ``after_last_grad``: from the moment the last micro-batch's backward produced its last
+  gradient (the last post-accumulate-grad hook of the model's and criterion's parameters)
+  to the end of the step: the same span for every contender, DDP's reduction tail and the
+  wait for the other ranks' backward included;
   ``param_wait``: time spent in the update waiting for parameters that the previous
   step left in flight (oss_adam under reduce_scatter defers its exchange behind the next
   forward), outside the optimizer step (whose own waits are in ``after_backward``).
@@ -39,8 +43,8 @@ from fairseq_oss.optim import collectives
 from fairseq_oss.optim.param_exchange import ParamExchange
 
 _OUT = os.environ.get("COMM_PROBE_OUT")
-RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": [], "param_wait": []}
-_now = {"sent": 0, "grad_bytes": None, "backward_end": None, "param_wait": 0.0, "in_step": False}
+RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": [], "after_last_grad": [], "param_wait": []}
+_now = {"sent": 0, "grad_bytes": None, "backward_end": None, "last_grad": None, "param_wait": 0.0, "in_step": False}
 
 
 def _n(group=None):
@@ -178,16 +182,27 @@ def optimizer_step(self, optimizer, model, update_num):
         out = _optimizer_step(self, optimizer, model, update_num)
     finally:
         _now["in_step"] = False
-    RECORD["after_backward"].append(time.perf_counter() - _now["backward_end"])
+    end = time.perf_counter()
+    RECORD["after_backward"].append(end - _now["backward_end"])
+    RECORD["after_last_grad"].append(end - _now["last_grad"])
     return out
 
 
 _init = Trainer.__init__
 
 
+def _grad_arrived(param):
+    _now["last_grad"] = time.perf_counter()
+
+
 def init(self, *args, **kwargs):
     _init(self, *args, **kwargs)
     _now["trainer"] = self
+    # Registered before any optimizer is built, so that it runs before oss_adam's own hook
+    # on the same parameter (which starts that gradient's reduction).
+    for p in list(self._model.parameters()) + list(self._criterion.parameters()):
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(_grad_arrived)
 
 
 @register_optimizer("zero_adam", dataclass=FairseqAdamConfig)
