@@ -19,8 +19,10 @@ rank's reduced shard:
    ``reduce_scatter_tensor`` (NCCL) a part is a whole bucket, one collective.
 3. A parameter whose parts have all been staged loses its ``.grad`` at once. During
    backward a rank holds the gradients not staged yet, the staging buffers of at most
-   ``in_flight + 1`` buckets and its shards; once the reduction is done, its shard of
-   every bucket only (1/N of the gradients, kept from one update to the next).
+   ``in_flight`` buckets (two) and its shards; once the reduction is done, its shard of
+   every bucket only (1/N of the gradients, kept from one update to the next). A bucket
+   is waited for only when its staging buffer is needed again, by the bucket after next:
+   backward goes on while the last two buckets it gave are on their way.
 4. :meth:`GradReducer.finish` (fairseq's ``all_reduce_grads`` point) starts what backward
    did not (a parameter without a gradient counts as zeros), waits, sums each rank's
    received slices in rank order (so a run repeats itself bit for bit), and decides which
@@ -79,8 +81,9 @@ class GradReducer:
             fairseq's legacy DDP); both pre-scale each rank's gradients before the sum.
         sync_in_backward: called as each gradient arrives; False (inside ``no_sync``)
             leaves the gradients to accumulate and to :meth:`finish`.
-        in_flight: buckets in flight at once while backward goes on (each holds a staging
-            buffer of one bucket, plus room for the others' slices of its shard with p2p).
+        in_flight: buckets in flight at once while backward goes on, and staging buffers
+            (each of one bucket, plus room for the others' slices of its shard with p2p):
+            starting a bucket waits for the oldest in flight when ``in_flight`` are.
         sources, layout: the tensors whose gradients are reduced, when they are not the
             optimizer's parameters: ``layout[i]`` lists the ``(source index, numel)`` laid
             end to end in optimizer parameter ``i`` (:func:`~fairseq_oss.optim.partition.onto`).
@@ -99,7 +102,7 @@ class GradReducer:
         unused: str = "skip",
         divide: str = "mul",
         sync_in_backward: Callable[[], bool] = lambda: True,
-        in_flight: int = 1,
+        in_flight: int = 2,
         sources: Optional[List[torch.Tensor]] = None,
         layout: Optional[List[List[Tuple[int, int]]]] = None,
     ):
@@ -238,7 +241,7 @@ class GradReducer:
     # ------------------------------------------------------------------ one bucket
 
     def _staging_buffers(self, bucket) -> List[torch.Tensor]:
-        """``in_flight + 1`` reusable (staging, received) pairs for the bucket's kind (fewer
+        """``in_flight`` reusable (staging, received) pairs for the bucket's kind (fewer
         when it has fewer buckets), made for one reduction and let go by :meth:`finish`."""
         bufs = self._staging.get(bucket.kind)
         if bufs is None:
@@ -248,7 +251,7 @@ class GradReducer:
             recv = (self.world_size - 1) * c if self.method == "p2p" else 0
             bufs = [
                 (p0.new_empty(c * self.world_size), p0.new_empty(recv))
-                for _ in range(min(self.in_flight + 1, len(same)))
+                for _ in range(min(self.in_flight, len(same)))
             ]
             self._staging[bucket.kind] = bufs
             self._slots[bucket.kind] = 0
@@ -263,7 +266,9 @@ class GradReducer:
             while len(self._flying) >= self.in_flight:
                 self._complete(self._flying.popleft())
             bufs = self._staging_buffers(bucket)
-            # Round robin over in_flight + 1 buffers: the one reused has completed (FIFO).
+            # Round robin over in_flight buffers, buckets completed first in, first out:
+            # the buckets of this kind still in flight (at most in_flight - 1, the latest)
+            # hold the buffers used last, and the one reused here was completed.
             slot = self._slots[bucket.kind] = (self._slots[bucket.kind] + 1) % len(bufs)
             staging, recv = bufs[slot]
             if self._shards[b] is None:

@@ -193,6 +193,69 @@ def test_a_bucket_goes_to_its_owners_slice_by_slice_during_backward(world_size):
         assert r["shard_equal"]
 
 
+def ahead_job(rank, world_size, flag):
+    """Rank 0 runs backward alone until it has started its second bucket; the other ranks
+    start theirs only then (they wait for the flag it writes)."""
+    import os
+    import time
+
+    from fairseq_oss.optim.grad_reduction import GradReducer
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
+
+    def layers():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+
+    def inputs(r):
+        return torch.randn(3, 16, generator=torch.Generator().manual_seed(r))
+
+    model = layers()
+    opt = ShardedAdam(model.parameters(), bucket_bytes=272 * 4)  # a layer's size: 4 or 5 buckets
+    reducer = GradReducer(opt, method="p2p")
+    start, started = reducer._start, []
+
+    def spy(u):
+        start(u)
+        if reducer._parts[u].first:
+            started.append(reducer._parts[u].bucket)
+            if rank == 0 and len(started) == 2:
+                open(flag, "w").close()
+
+    reducer._start = spy
+    if rank != 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag):
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 0 did not start its second bucket while the others waited")
+            time.sleep(0.01)
+    model(inputs(rank)).sum().backward()
+    reducer.finish()
+    ref = layers()  # every rank's gradients times 1/N, summed in rank order
+    total = None
+    for r in range(world_size):
+        ref.zero_grad(set_to_none=True)
+        ref(inputs(r)).sum().backward()
+        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
+        total = flat if total is None else total + flat
+    shards, offset = [], 0  # the buckets lay the parameters end to end
+    for b, shard in zip(opt.partition.buckets, opt.reduced_grads()):
+        lo, hi = b.shard_range(rank)
+        shards.append(torch.equal(shard, total[offset + lo : offset + hi]))
+        offset += b.numel
+    return {"buckets": len(opt.partition.buckets), "started": started, "shards_equal": shards}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_backward_goes_on_while_its_last_two_buckets_are_on_their_way(world_size, tmp_path):
+    """A rank starts a bucket without waiting for the one before it (only for the one before
+    that, whose staging buffer it takes): rank 0 gives its last layer's bucket and starts the
+    next one before any other rank has started its backward; the sums are exact."""
+    flag = str(tmp_path / "rank0-started-two-buckets")
+    for r in run_ranks(world_size, ahead_job, flag, timeout=120):
+        assert r["buckets"] >= 3 and r["started"] == list(range(r["buckets"] - 1, -1, -1))
+        assert all(r["shards_equal"])
+
+
 @pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 1_000_000 + 4001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_squared_norm_is_the_float64_sum_of_squares_to_float32_rounding(numel, dtype):
