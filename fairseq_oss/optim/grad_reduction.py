@@ -40,6 +40,7 @@ dtype, as fairseq's DDP does, and hands the optimizer each shard in the master's
 (keeping that copy only).
 """
 import collections
+import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -48,6 +49,8 @@ import torch.distributed as dist
 
 from fairseq_oss.optim import collectives
 from fairseq_oss.optim.partition import Piece, bucket_onto, clip_pieces
+
+logger = logging.getLogger(__name__)
 
 # Point-to-point tags of the reduction (the step's exchange uses small tags of its own).
 TAG_BASE = 1 << 20
@@ -227,9 +230,27 @@ class GradReducer:
 
     def reset(self) -> None:
         """Forget this update's reduction (fairseq's ``zero_grad``): the next backward
-        starts a new one. Buckets still in flight are waited for first."""
-        while self._flying:
-            collectives.wait_all(self._flying.popleft()["works"])
+        starts a new one.
+
+        Raises:
+            RuntimeError: if backward has begun this update's reduction and :meth:`finish`
+                has not run (fairseq's recovery from running out of memory in the middle of
+                backward): the other ranks wait for the rest of it, and what this rank has
+                already sent cannot be taken back. Failing here ends the run at once with
+                the reason, where going on would leave every rank waiting.
+        """
+        if self._next and not self._done:
+            # logged too: the launcher may report another rank's failure (a lost peer) first
+            message = (
+                f"oss_adam: this rank's backward pass stopped after it had begun reducing the update's "
+                f"gradients with the other ranks ({self._next} of {len(self._parts)} parts sent or "
+                f"received), and the ranks can no longer agree on this update. fairseq's recovery from "
+                f"running out of memory in the middle of backward is not supported with "
+                f"--oss-grad-reduction reduce_scatter: lower --max-tokens or --batch-size, or use "
+                f"--oss-grad-reduction all_reduce --ddp-backend legacy_ddp, where fairseq recovers"
+            )
+            logger.error(message)
+            raise RuntimeError(message)
         self._staging.clear()
         self._reset()
 
@@ -323,6 +344,9 @@ class GradReducer:
         parts = [
             staging[r * c : (r + 1) * c] if r == self.rank else self._from(recv, r, c) for r in range(self.world_size)
         ]
+        if len(parts) == 1:  # one rank: its own slice is the sum
+            shard.copy_(parts[0])
+            return
         torch.add(parts[0], parts[1], out=shard)
         for t in parts[2:]:
             shard.add_(t)

@@ -256,6 +256,58 @@ def test_backward_goes_on_while_its_last_two_buckets_are_on_their_way(world_size
         assert all(r["shards_equal"])
 
 
+def abandoned_job(rank, world_size):
+    """A reduction that backward began is reset before it is finished (fairseq's recovery
+    from running out of memory in the middle of backward): refused, and nothing changed."""
+    from fairseq_oss.optim.grad_reduction import GradReducer
+    from fairseq_oss.optim.sharded_adam import ShardedAdam
+
+    def layers():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+
+    def inputs(r):
+        return torch.randn(3, 16, generator=torch.Generator().manual_seed(r))
+
+    model = layers()
+    opt = ShardedAdam(model.parameters(), bucket_bytes=272 * 4)
+    reducer = GradReducer(opt, method="p2p")
+    reducer.reset()  # before any backward: nothing to refuse
+    model(inputs(rank)).sum().backward()
+    started = reducer._next
+    try:
+        reducer.reset()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    reducer.finish()  # the reduction is still whole: every rank completes it
+    ref = layers()  # every rank's gradients times 1/N, summed in rank order
+    total = None
+    for r in range(world_size):
+        ref.zero_grad(set_to_none=True)
+        ref(inputs(r)).sum().backward()
+        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
+        total = flat if total is None else total + flat
+    exact, offset = [], 0
+    for b, shard in zip(opt.partition.buckets, opt.reduced_grads()):
+        lo, hi = b.shard_range(rank)
+        exact.append(torch.equal(shard, total[offset + lo : offset + hi]))
+        offset += b.numel
+    reducer.reset()  # once finished, fairseq's zero_grad goes through
+    return {"started": started, "parts": len(reducer._parts), "refused": refused, "exact": exact}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_reduction_abandoned_by_backward_is_refused_not_left_hanging(world_size):
+    """fairseq's zero_grad after backward began the reduction raises, naming the cause (a
+    rank that went on would restart the reduction its peers are finishing: a hang)."""
+    for r in run_ranks(world_size, abandoned_job):
+        assert r["started"] == r["parts"] > 0
+        assert r["refused"] is not None and "out of memory in the middle of backward" in r["refused"]
+        assert f"{r['parts']} of {r['parts']} parts" in r["refused"]
+        assert all(r["exact"])  # refusing changed nothing: the reduction then completes, exact
+
+
 @pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 1_000_000 + 4001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_squared_norm_is_the_float64_sum_of_squares_to_float32_rounding(numel, dtype):

@@ -4,6 +4,11 @@ Driven by environment variables, so the same plugin serves every test:
 - FAULT_CRASH_RANK=R, FAULT_CRASH_CALL=K: criterion ``faulty_cross_entropy`` raises on
   rank R at its K-th forward (fairseq then takes its crash.pt path on that rank only),
   after creating the file ``fault-injected-on-rank-R`` in FAULT_MARKER_DIR if that is set;
+- FAULT_OOM=forward|backward with FAULT_CRASH_RANK and FAULT_CRASH_CALL: instead, that
+  forward raises fairseq's out-of-memory error ("out of memory" in a RuntimeError), or the
+  backward that follows it does, once the model's first parameter (the embedding, whose
+  gradient backward completes last) has its gradient: fairseq then recovers on that rank
+  (``zero_grad``, the micro-batch skipped), or tries to;
 - FAULT_KILL_SAVE=N: rank 0 kills itself (SIGKILL) in the middle of writing the tensor
   records of the N-th checkpoint (in the background with asynchronous saves);
 - FAULT_FAIL_SAVE=N: rank 0's writing of a tensor record of the N-th checkpoint fails
@@ -36,9 +41,27 @@ class FaultyCrossEntropy(CrossEntropyCriterion):
             marker = os.environ.get("FAULT_MARKER_DIR")
             if marker:
                 open(os.path.join(marker, f"fault-injected-on-rank-{rank}"), "w").close()
+            oom = os.environ.get("FAULT_OOM")
+            if oom == "forward":
+                raise RuntimeError(f"CUDA out of memory (injected in forward on rank {rank})")
+            if oom == "backward":
+                out = super().forward(model, sample, reduce)
+                _raise_once_when_its_gradient_is_in(next(model.parameters()), rank)
+                return out
             # not a RuntimeError: fairseq re-raises those before its crash path
             raise ValueError(f"injected fault on rank {rank}")
         return super().forward(model, sample, reduce)
+
+
+def _raise_once_when_its_gradient_is_in(param, rank):
+    fired = []
+
+    def hook(_):
+        if not fired:
+            fired.append(True)
+            raise RuntimeError(f"CUDA out of memory (injected in backward on rank {rank})")
+
+    param.register_post_accumulate_grad_hook(hook)
 
 
 _KILL_AT = int(os.environ.get("FAULT_KILL_SAVE", 0))
