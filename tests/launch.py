@@ -6,6 +6,7 @@ on CPU, so any difference in the checkpoints comes from the optimizer.
 """
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,9 +68,26 @@ def aborted_after_training(returncode: int, out: str) -> bool:
     return done >= 0 and out[done:].rstrip().endswith("terminate called without an active exception")
 
 
+def _run(cmd, timeout, **kwargs):
+    """``subprocess.run`` in a session of its own: on a timeout (a hang, which fails the
+    test) or Ctrl-C the whole process group is killed, the ranks that fairseq-train started
+    included, so that a hung run does not keep the cores busy for the rest of the suite."""
+    with subprocess.Popen(cmd, start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group is gone already
+                pass
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run(cmd, log, cwd=None):
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=cwd, timeout=600)
+        proc = _run(cmd, 600, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=cwd)
     with open(log) as f:
         out = f.read()
     if proc.returncode != 0 and not aborted_after_training(proc.returncode, out):
@@ -128,7 +146,7 @@ PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "fa
 
 def attempt(cmd, env=None, timeout=300):
     """Run a command that may fail; returns (exit code, output). A hang fails the test."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    proc = _run(cmd, timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -159,7 +177,8 @@ TOOL = os.path.join(BIN, "fairseq-oss")
 
 
 def tool(*args, env=None, timeout=300):
-    proc = subprocess.run([TOOL, *args], capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    proc = _run([TOOL, *args], timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**ENV, **(env or {})})
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.returncode, proc.stdout, proc.stderr
 
