@@ -26,29 +26,49 @@ def _cmd(data, save_dir, optimizer, *extra):
                      "--criterion", "faulty_cross_entropy", *extra)
 
 
+def _recovered(data, save_dir, env, optimizer, *extra):
+    """A run in which rank 1 ran out of memory once and fairseq recovered: its save dir."""
+    rc, out = attempt(_cmd(data, save_dir, optimizer, *extra), env=env, timeout=180)
+    assert rc == 0, out[-3000:]
+    assert "attempting to recover from OOM" in out  # the injected error took fairseq's recovery
+    assert load(ckpt(save_dir))["optimizer_history"][-1]["num_updates"] == UPDATES
+    return out
+
+
+@pytest.fixture(scope="module")
+def adam_recovered(data, tmp_path_factory):
+    """adam under legacy_ddp, where fairseq recovers, per place of the error: its save dir."""
+    made = {}
+
+    def make(where):
+        if where not in made:
+            tmp = tmp_path_factory.mktemp(f"adam-oom-{where}")
+            _recovered(data, str(tmp / "run"), _oom_env(tmp, where), "adam", "--ddp-backend", "legacy_ddp")
+            made[where] = str(tmp / "run")
+        return made[where]
+
+    return make
+
+
 @pytest.mark.parametrize(
-    "where, reduction",
-    [("forward", "reduce_scatter"), ("backward", "all_reduce")],
-    ids=["in-forward-reduce-scatter", "in-backward-all-reduce"],
+    "where, backend, reduction",
+    [("forward", "legacy_ddp", "reduce_scatter"), ("forward", "pytorch_ddp", "reduce_scatter"),
+     ("backward", "legacy_ddp", "all_reduce")],
+    ids=["in-forward-reduce-scatter-legacy", "in-forward-reduce-scatter-pytorch", "in-backward-all-reduce-legacy"],
 )
-def test_out_of_memory_on_one_rank_is_recovered_as_adam_recovers(data, tmp_path, where, reduction):
+def test_out_of_memory_on_one_rank_is_recovered_as_adam_recovers(data, tmp_path, adam_recovered, where, backend,
+                                                                   reduction):
     """In forward, nothing of the reduce-scatter has begun: the rank that recovers gives
-    zeros for every bucket, as legacy DDP all-reduces them. In backward, fairseq's own
+    zeros for every bucket, as legacy DDP all-reduces them (under the default backend too:
+    at 2 ranks its * 1/2 and legacy DDP's / 2 are the same bits). In backward, fairseq's own
     all-reduce (--oss-grad-reduction all_reduce) runs after it, as for adam."""
-    env = _oom_env(tmp_path, where)
-    runs = {}
-    for optimizer, extra in (("adam", []), ("oss_adam", ["--oss-grad-reduction", reduction])):
-        d = str(tmp_path / optimizer)
-        rc, out = attempt(_cmd(data, d, optimizer, "--ddp-backend", "legacy_ddp", *extra), env=env, timeout=180)
-        assert rc == 0, out[-3000:]
-        assert "attempting to recover from OOM" in out  # the injected error took fairseq's recovery
-        assert load(ckpt(d))["optimizer_history"][-1]["num_updates"] == UPDATES
-        if optimizer == "oss_adam":
-            reduce_scattered = "gradients reduce-scattered into each rank's shard" in out
-            assert reduce_scattered == (reduction == "reduce_scatter")
-        runs[optimizer] = d
+    d = str(tmp_path / "oss_adam")
+    out = _recovered(data, d, _oom_env(tmp_path, where), "oss_adam", "--ddp-backend", backend,
+                     "--oss-grad-reduction", reduction)
     assert os.path.exists(tmp_path / "fault-injected-on-rank-1")
-    assert_same_training_state(ckpt(runs["oss_adam"]), ckpt(runs["adam"]))
+    reduce_scattered = "gradients reduce-scattered into each rank's shard" in out
+    assert reduce_scattered == (reduction == "reduce_scatter")
+    assert_same_training_state(ckpt(d), ckpt(adam_recovered(where)))
 
 
 def test_out_of_memory_in_backward_under_the_reduce_scatter_stops_every_rank_with_the_reason(data, tmp_path):
