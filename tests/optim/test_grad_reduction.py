@@ -145,40 +145,54 @@ def test_reduce_scatter_collective_gives_the_same_parameters_within_rounding():
         assert r["steps"] == r["ref_steps"] and r["grads_left"] == 0
 
 
+def _linear_stack(layers):
+    """``layers`` equal ``Linear(16, 16)``, the same weights on every rank."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+
+
+def _linear_inputs(rank):
+    return torch.randn(3, 16, generator=torch.Generator().manual_seed(rank))
+
+
+def _shards_exact(opt, rank, world_size, layers):
+    """For each of ``opt``'s buckets, whether this rank's reduced shard equals every rank's
+    gradients of ``_linear_stack(layers)`` on its inputs, times 1/N, summed in rank order
+    (the buckets lay the parameters end to end)."""
+    ref = _linear_stack(layers)
+    total = None
+    for r in range(world_size):
+        ref.zero_grad(set_to_none=True)
+        ref(_linear_inputs(r)).sum().backward()
+        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
+        total = flat if total is None else total + flat
+    exact, offset = [], 0
+    for b, shard in zip(opt.partition.buckets, opt.reduced_grads()):
+        lo, hi = b.shard_range(rank)
+        exact.append(torch.equal(shard, total[offset + lo : offset + hi]))
+        offset += b.numel
+    return exact
+
+
 def slices_job(rank, world_size):
     """Four equal layers in one bucket; what has been sent when backward reaches the first."""
     from fairseq_oss.optim.grad_reduction import GradReducer
     from fairseq_oss.optim.sharded_adam import ShardedAdam
 
-    def layers():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
-
-    def inputs(r):
-        return torch.randn(3, 16, generator=torch.Generator().manual_seed(r))
-
-    model = layers()
+    model = _linear_stack(4)
     opt = ShardedAdam(model.parameters(), bucket_bytes=1 << 20)
     reducer = None
     seen = []  # parts started when each of the first layer's gradients arrives
     for p in model[0].parameters():  # registered first: runs before the reducer's hook
         p.register_post_accumulate_grad_hook(lambda p: seen.append(reducer._next))
     reducer = GradReducer(opt, method="p2p")
-    model(inputs(rank)).sum().backward()
+    model(_linear_inputs(rank)).sum().backward()
     reducer.finish()
-    ref = layers()  # every rank's gradients times 1/N, summed in rank order, laid end to end
-    total = None
-    for r in range(world_size):
-        ref.zero_grad(set_to_none=True)
-        ref(inputs(r)).sum().backward()
-        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
-        total = flat if total is None else total + flat
-    start, end = opt.partition.buckets[0].shard_range(rank)
     return {
         "buckets": len(opt.partition.buckets),
         "seen": seen,
         "parts": len(reducer._parts),
-        "shard_equal": torch.equal(opt.reduced_grads()[0], total[start:end]),
+        "shard_equal": all(_shards_exact(opt, rank, world_size, 4)),
     }
 
 
@@ -202,14 +216,7 @@ def ahead_job(rank, world_size, flag):
     from fairseq_oss.optim.grad_reduction import GradReducer
     from fairseq_oss.optim.sharded_adam import ShardedAdam
 
-    def layers():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
-
-    def inputs(r):
-        return torch.randn(3, 16, generator=torch.Generator().manual_seed(r))
-
-    model = layers()
+    model = _linear_stack(4)
     opt = ShardedAdam(model.parameters(), bucket_bytes=272 * 4)  # a layer's size: 4 or 5 buckets
     reducer = GradReducer(opt, method="p2p")
     start, started = reducer._start, []
@@ -228,21 +235,10 @@ def ahead_job(rank, world_size, flag):
             if time.monotonic() > deadline:
                 raise TimeoutError("rank 0 did not start its second bucket while the others waited")
             time.sleep(0.01)
-    model(inputs(rank)).sum().backward()
+    model(_linear_inputs(rank)).sum().backward()
     reducer.finish()
-    ref = layers()  # every rank's gradients times 1/N, summed in rank order
-    total = None
-    for r in range(world_size):
-        ref.zero_grad(set_to_none=True)
-        ref(inputs(r)).sum().backward()
-        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
-        total = flat if total is None else total + flat
-    shards, offset = [], 0  # the buckets lay the parameters end to end
-    for b, shard in zip(opt.partition.buckets, opt.reduced_grads()):
-        lo, hi = b.shard_range(rank)
-        shards.append(torch.equal(shard, total[offset + lo : offset + hi]))
-        offset += b.numel
-    return {"buckets": len(opt.partition.buckets), "started": started, "shards_equal": shards}
+    return {"buckets": len(opt.partition.buckets), "started": started,
+            "shards_equal": _shards_exact(opt, rank, world_size, 4)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -262,18 +258,11 @@ def abandoned_job(rank, world_size):
     from fairseq_oss.optim.grad_reduction import GradReducer
     from fairseq_oss.optim.sharded_adam import ShardedAdam
 
-    def layers():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
-
-    def inputs(r):
-        return torch.randn(3, 16, generator=torch.Generator().manual_seed(r))
-
-    model = layers()
+    model = _linear_stack(3)
     opt = ShardedAdam(model.parameters(), bucket_bytes=272 * 4)
     reducer = GradReducer(opt, method="p2p")
     reducer.reset()  # before any backward: nothing to refuse
-    model(inputs(rank)).sum().backward()
+    model(_linear_inputs(rank)).sum().backward()
     started = reducer._next
     try:
         reducer.reset()
@@ -281,18 +270,7 @@ def abandoned_job(rank, world_size):
     except RuntimeError as e:
         refused = str(e)
     reducer.finish()  # the reduction is still whole: every rank completes it
-    ref = layers()  # every rank's gradients times 1/N, summed in rank order
-    total = None
-    for r in range(world_size):
-        ref.zero_grad(set_to_none=True)
-        ref(inputs(r)).sum().backward()
-        flat = torch.cat([torch.mul(p.grad, 1.0 / world_size).reshape(-1) for p in ref.parameters()])
-        total = flat if total is None else total + flat
-    exact, offset = [], 0
-    for b, shard in zip(opt.partition.buckets, opt.reduced_grads()):
-        lo, hi = b.shard_range(rank)
-        exact.append(torch.equal(shard, total[offset + lo : offset + hi]))
-        offset += b.numel
+    exact = _shards_exact(opt, rank, world_size, 3)
     reducer.reset()  # once finished, fairseq's zero_grad goes through
     return {"started": started, "parts": len(reducer._parts), "refused": refused, "exact": exact}
 
