@@ -14,7 +14,9 @@ figures, to bench-results/comm.md and comm.json.
 
 ``--precision`` trains every contender in that fairseq mode (fp16: ``--fp16``'s flat fp32
 master copy; memory-efficient-fp16; amp) and writes comm-PRECISION.md/json instead; a
-contender that cannot train in it is reported as "-". ``--bucket-mb 4`` adds -4mb to the name.
+contender that cannot train in it is reported as "-". ``--bucket-mb 4`` adds -4mb to the name;
+``--glibc-tunables T`` runs every contender with GLIBC_TUNABLES=T (glibc's malloc set alike
+for all: oss_adam leaves it alone then) and adds -tunables.
 """
 import argparse
 import json
@@ -45,7 +47,7 @@ PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "memory-efficient-fp16": ["--memor
 NO_FLAT_MASTER = {"fairscale OSS", "ZeroRedundancyOptimizer"}
 
 
-def run(name, data, work, world_size, updates, count, bucket_mb=None, precision="fp32"):
+def run(name, data, work, world_size, updates, count, bucket_mb=None, precision="fp32", tunables=None):
     out = os.path.join(work, f"probe-{name.replace(' ', '_')}-{world_size}-{count}-{time.time_ns()}")
     cmd = [os.path.join(bench.BIN, "fairseq-train"), *bench.model_args(SIZE, data), *CONTENDERS[name],
            "--save-dir", os.path.join(work, "save"), "--no-save", "--max-update", str(updates),
@@ -57,6 +59,8 @@ def run(name, data, work, world_size, updates, count, bucket_mb=None, precision=
     if bucket_mb is not None and "oss_adam" in name:
         cmd += ["--oss-bucket-mb", str(bucket_mb)]
     env = dict(bench.env(), COMM_PROBE_OUT=out)
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     if count:
         env["COMM_PROBE_COUNT"] = "1"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -76,6 +80,8 @@ def main(argv=None):
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--bucket-mb", type=float, default=None, help="oss_adam's --oss-bucket-mb (default: its own)")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp32", help="fairseq's precision mode for every contender")
+    ap.add_argument("--glibc-tunables", default=None,
+                    help="GLIBC_TUNABLES for every contender (oss_adam then keeps glibc's malloc settings as they are)")
     args = ap.parse_args(argv)
     t0 = time.time()
     work = tempfile.mkdtemp(prefix="fairseq-oss-comm-")
@@ -89,7 +95,8 @@ def main(argv=None):
         for name in CONTENDERS:
             print(f"bench_comm: counting {name} at {ws} ranks ...", flush=True)
             try:
-                ranks = run(name, data, work, ws, 6, count=True, bucket_mb=args.bucket_mb, precision=args.precision)
+                ranks = run(name, data, work, ws, 6, count=True, bucket_mb=args.bucket_mb, precision=args.precision,
+                            tunables=args.glibc_tunables)
             except RuntimeError as e:
                 if name == "adam":
                     raise
@@ -99,15 +106,16 @@ def main(argv=None):
                 "sent": statistics.mean(steady(r["sent"]) for r in ranks),
                 "grad_bytes": max(steady(r["grad_bytes"]) for r in ranks),
             }
-    times = {name: {"seconds": [], "after_backward": [], "optimizer": [], "from_last_grad": [], "peak_rss_mb": []}
-             for name in TIMED}
+    times = {name: {"seconds": [], "after_backward": [], "optimizer": [], "from_last_grad": [], "peak_rss_mb": [],
+                    "minor_faults": []} for name in TIMED}
     for i in range(args.rounds):
         for name in TIMED:
             print(f"bench_comm: timing round {i + 1}: {name} ...", flush=True)
             ranks = run(name, data, work, 2, args.updates, count=False, bucket_mb=args.bucket_mb,
-                        precision=args.precision)
+                        precision=args.precision, tunables=args.glibc_tunables)
             r0 = ranks[0]
             times[name]["peak_rss_mb"].append(max(r["peak_rss_mb"] for r in ranks))
+            times[name]["minor_faults"].append(max(steady(r["minor_faults"]) for r in ranks))
             times[name]["seconds"].append(steady(r0["seconds"]))
             times[name]["after_backward"].append(steady(r0["after_backward"]))
             # what training waits for the optimizer: after backward, and for parameters later
@@ -120,8 +128,9 @@ def main(argv=None):
              + " | grad MB held/rank N=2 | " + ("s/update N=2 (x adam) | after backward s (x adam) "
                                                  "| after backward + parameter waits s (x adam) "
                                                  "| after the last gradient + parameter waits s (x adam) "
-                                                 "| peak RSS MB N=2 |" if args.rounds else ""),
-             "|---" * (1 + len(args.world_sizes) + 1 + (5 if args.rounds else 0)) + "|"]
+                                                 "| peak RSS MB N=2 | minor page faults/update N=2 |"
+                                                 if args.rounds else ""),
+             "|---" * (1 + len(args.world_sizes) + 1 + (6 if args.rounds else 0)) + "|"]
     for name in CONTENDERS:
         cells = []
         for ws in args.world_sizes:
@@ -138,9 +147,10 @@ def main(argv=None):
                 bo = statistics.median(times["adam"]["optimizer"])
                 g, bg = (statistics.median(times[n]["from_last_grad"]) for n in (name, "adam"))
                 cells += [f"{s:.3f} ({s / bs:.2f}x)", f"{a:.4f} ({a / ba:.2f}x)", f"{o:.4f} ({o / bo:.2f}x)",
-                          f"{g:.4f} ({g / bg:.2f}x)", f"{statistics.median(times[name]['peak_rss_mb']):.0f}"]
+                          f"{g:.4f} ({g / bg:.2f}x)", f"{statistics.median(times[name]['peak_rss_mb']):.0f}",
+                          f"{statistics.median(times[name]['minor_faults']):.0f}"]
             else:
-                cells += ["-"] * 5
+                cells += ["-"] * 6
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
             f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; {args.precision} "
@@ -155,7 +165,11 @@ def main(argv=None):
             "moment the last backward produced its last gradient (the last of the parameters' post-accumulate-grad "
             "hooks) to the end of the step, so that PyTorch's DDP's reduction tail, which it waits for inside "
             "backward, counts as oss_adam's does after it; both include the wait for the other rank. Peak RSS: the larger rank's peak resident "
-            "memory over a timing run (ru_maxrss; model, data, torch and fairseq included), median over rounds.")
+            "memory over a timing run (ru_maxrss; model, data, torch and fairseq included), median over rounds. "
+            "Minor page faults: per update (ru_minflt), the larger rank's median over updates 3 and later, median "
+            "over rounds: pages the update touched fresh from the kernel (oss_adam keeps glibc's freed memory "
+            "between updates on CPU: fairseq_oss/integration/malloc.py)"
+            + (f". Every contender ran with GLIBC_TUNABLES={args.glibc_tunables}." if args.glibc_tunables else "."))
     table = "\n".join(lines)
     print(table)
     print(note)
@@ -163,6 +177,7 @@ def main(argv=None):
     os.makedirs(out_dir, exist_ok=True)
     stem = "comm" + ("" if args.precision == "fp32" else f"-{args.precision}")
     stem += "" if args.bucket_mb is None else f"-{args.bucket_mb:g}mb"
+    stem += "" if args.glibc_tunables is None else "-tunables"
     command = " ".join(["python scripts/bench_comm.py", *(argv if argv is not None else sys.argv[1:])])
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(f"Measured {time.strftime('%Y-%m-%d')} (`{command}`).\n\n{table}\n\n{note}\n")

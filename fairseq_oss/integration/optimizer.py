@@ -22,7 +22,7 @@ from omegaconf import OmegaConf, open_dict
 
 from fairseq_oss.checkpoint.format import OptimizerStateFile
 from fairseq_oss.checkpoint.optimizer_state import load_optimizer_state
-from fairseq_oss.integration import grad_sync
+from fairseq_oss.integration import grad_sync, malloc
 from fairseq_oss.optim import bucket_size, collectives
 from fairseq_oss.optim.grad_reduction import GradReducer, total_norm
 from fairseq_oss.optim.sharded_adam import ShardedAdam, TooManyBuckets
@@ -135,6 +135,8 @@ class FairseqOSSAdam(FairseqOptimizer):
             self._optimizer, unused=unused, divide=switch.divide, sync_in_backward=switch,
             sources=sources, layout=layout,
         )
+        if self._optimizer.params[0].device.type == "cpu":
+            malloc.keep_freed_memory()
         # The wrapper's forward and hooks wait for the parameters (param_reads): the step
         # can return with their exchange in flight, behind the next forward.
         self._optimizer.defer_exchange = True

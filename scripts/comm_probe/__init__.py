@@ -14,6 +14,8 @@ Records on every rank, into $COMM_PROBE_OUT/rank{R}.json at exit, per update:
   parameters' ``.grad``, and oss_adam's reduced shards and staging buffers; not the
   flat bucket buffers that PyTorch's DDP keeps besides ``.grad``, which it does not expose);
 * ``peak_rss_mb``: the rank's peak resident memory over the run (``ru_maxrss``);
+* ``minor_faults``: the rank's minor page faults in the update (``ru_minflt``): pages
+  that the update touched for the first time since the kernel gave them to the process;
 * ``seconds``: the update's wall time, and ``after_backward``: from the end of the last
   micro-batch's backward to the end of the optimizer step (gradient reduction left over,
   clipping, the step; for PyTorch's DDP the reduction's tail is inside backward);
@@ -43,7 +45,8 @@ from fairseq_oss.optim import collectives
 from fairseq_oss.optim.param_exchange import ParamExchange
 
 _OUT = os.environ.get("COMM_PROBE_OUT")
-RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": [], "after_last_grad": [], "param_wait": []}
+RECORD = {"sent": [], "grad_bytes": [], "seconds": [], "after_backward": [], "after_last_grad": [], "param_wait": [],
+          "minor_faults": []}
 _now = {"sent": 0, "grad_bytes": None, "backward_end": None, "last_grad": None, "param_wait": 0.0, "in_step": False}
 
 
@@ -156,11 +159,16 @@ ParamExchange.wait = _timed_wait(ParamExchange.wait)
 ParamExchange.wait_all = _timed_wait(ParamExchange.wait_all)
 
 
+def _minor_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def train_step(self, *args, **kwargs):
     _now["sent"], _now["grad_bytes"], _now["param_wait"] = 0, None, 0.0
-    t0 = time.perf_counter()
+    t0, faults = time.perf_counter(), _minor_faults()
     out = _train_step(self, *args, **kwargs)
     RECORD["seconds"].append(time.perf_counter() - t0)
+    RECORD["minor_faults"].append(_minor_faults() - faults)
     RECORD["sent"].append(_now["sent"])
     RECORD["grad_bytes"].append(_now["grad_bytes"])
     RECORD["param_wait"].append(_now["param_wait"])
