@@ -261,17 +261,25 @@ class GradReducer:
 
     # ------------------------------------------------------------------ one bucket
 
-    def _staging_buffers(self, bucket) -> List[torch.Tensor]:
+    def _staging_buffers(self, bucket) -> List[Tuple[Tuple[torch.Tensor, ...], torch.Tensor]]:
         """``in_flight`` reusable (staging, received) pairs for the bucket's kind (fewer
-        when it has fewer buckets), made for one reduction and let go by :meth:`finish`."""
+        when it has fewer buckets), made for one reduction and let go by :meth:`finish`.
+        The staging is one tensor of the whole padded bucket for ``reduce_scatter_tensor``,
+        and one tensor per rank's slice point to point, where nothing needs it whole: then
+        no buffer of the reduction reaches glibc's mmap threshold (32 MiB, the default
+        bucket's size) from 2 ranks on, and on CPU its memory is reused from one update to
+        the next instead of mapped afresh (:mod:`fairseq_oss.integration.malloc`)."""
         bufs = self._staging.get(bucket.kind)
         if bufs is None:
             same = [b for b in self._buckets if b.kind == bucket.kind]
             c = max(b.shard_numel for b in same)
             p0 = self._params[bucket.pieces[0].param]
-            recv = (self.world_size - 1) * c if self.method == "p2p" else 0
+            if self.method == "p2p":
+                sizes, recv = [c] * self.world_size, (self.world_size - 1) * c
+            else:
+                sizes, recv = [c * self.world_size], 0
             bufs = [
-                (p0.new_empty(c * self.world_size), p0.new_empty(recv))
+                (tuple(p0.new_empty(n) for n in sizes), p0.new_empty(recv))
                 for _ in range(min(self.in_flight, len(same)))
             ]
             self._staging[bucket.kind] = bufs
@@ -293,12 +301,15 @@ class GradReducer:
             slot = self._slots[bucket.kind] = (self._slots[bucket.kind] + 1) % len(bufs)
             staging, recv = bufs[slot]
             if self._shards[b] is None:
-                self._shards[b] = staging.new_empty(c)
-            self._flying.append({"bucket": b, "staging": staging[: c * self.world_size], "recv": recv, "works": []})
+                self._shards[b] = recv.new_empty(c)
+            # this bucket's padded c * N elements: its slices, or one tensor of them all
+            staging = tuple(t[:c] for t in staging) if len(staging) > 1 else (staging[0][: c * self.world_size],)
+            self._flying.append({"bucket": b, "staging": staging, "recv": recv, "works": []})
         flying = self._flying[-1]
-        staging, recv, shard = flying["staging"], flying["recv"], self._shards[b]
+        recv, shard = flying["recv"], self._shards[b]
+        region = self._region_of(flying["staging"], c)
         for pc in part.pieces:
-            dst = staging[pc.offset : pc.offset + pc.numel]
+            dst = region(pc.offset, pc.offset + pc.numel)
             g = self._params[pc.param].grad
             if g is None:
                 dst.zero_()
@@ -309,7 +320,8 @@ class GradReducer:
                 torch.mul(src, 1.0 / self.world_size, out=dst)
             else:
                 torch.div(src, self.world_size, out=dst)
-        staging[max(part.lo, bucket.numel) : part.hi].zero_()  # the padding
+        if bucket.numel < part.hi:
+            region(max(part.lo, bucket.numel), part.hi).zero_()  # the padding
         # Every piece of these parameters is in a staging buffer now: autograd's copy goes.
         for i in self._part_params[u]:
             self._staged[i] += 1
@@ -317,15 +329,29 @@ class GradReducer:
                 self._params[i].grad = None
         works = flying["works"]
         if part.dest is None:
-            works.append(dist.reduce_scatter_tensor(shard, staging, group=self.group, async_op=True))
+            works.append(dist.reduce_scatter_tensor(shard, flying["staging"][0], group=self.group, async_op=True))
         elif part.dest != self.rank:
             peer = collectives.global_rank(self.group, part.dest)
-            works.append(dist.isend(staging[part.lo : part.hi], dst=peer, group=self.group, tag=TAG_BASE + b))
+            works.append(dist.isend(region(part.lo, part.hi), dst=peer, group=self.group, tag=TAG_BASE + b))
         else:  # this rank's own slice: the others' slices of it are received
             for r in range(self.world_size):
                 if r != self.rank:
                     peer = collectives.global_rank(self.group, r)
                     works.append(dist.irecv(self._from(recv, r, c), src=peer, group=self.group, tag=TAG_BASE + b))
+
+    @staticmethod
+    def _region_of(staging: Tuple[torch.Tensor, ...], c: int) -> Callable[[int, int], torch.Tensor]:
+        """``region(lo, hi)``: the staging of elements ``[lo, hi)`` of a bucket's padded
+        layout, in one tensor, or in rank ``lo // c``'s slice (a range within one slice:
+        a point-to-point part is one rank's slice, and its pieces are clipped to it)."""
+        if len(staging) == 1:
+            return lambda lo, hi: staging[0][lo:hi]
+
+        def region(lo: int, hi: int) -> torch.Tensor:
+            k = lo // c
+            return staging[k][lo - k * c : hi - k * c]
+
+        return region
 
     def _from(self, recv: torch.Tensor, r: int, c: int) -> torch.Tensor:
         """Where rank ``r``'s slice of this rank's shard (``c`` elements) is received:
@@ -340,9 +366,9 @@ class GradReducer:
         # Rank order, own slice in its place: the same sum on every rank, run after run.
         b = flying["bucket"]
         c = self._buckets[b].shard_numel
-        staging, recv, shard = flying["staging"], flying["recv"], self._shards[b]
+        recv, shard, own = flying["recv"], self._shards[b], self._region_of(flying["staging"], c)
         parts = [
-            staging[r * c : (r + 1) * c] if r == self.rank else self._from(recv, r, c) for r in range(self.world_size)
+            own(r * c, (r + 1) * c) if r == self.rank else self._from(recv, r, c) for r in range(self.world_size)
         ]
         if len(parts) == 1:  # one rank: its own slice is the sum
             shard.copy_(parts[0])
@@ -366,7 +392,10 @@ class GradReducer:
         the ``.grad`` tensors autograd still holds."""
         shard = sum(s.numel() * s.element_size() for s in self._shards + self._out if s is not None)
         staging = sum(
-            t.numel() * t.element_size() for bufs in self._staging.values() for pair in bufs for t in pair
+            t.numel() * t.element_size()
+            for bufs in self._staging.values()
+            for slices, recv in bufs
+            for t in (*slices, recv)
         )
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
         return {"shards": shard, "staging": staging, "grads": grads}

@@ -70,7 +70,9 @@ def reduce_job(rank, world_size, method, unused):
     switch = _Switch()
     reducer = GradReducer(opt, method=method, unused=unused, sync_in_backward=switch)
     grad_bytes = sum(p.numel() * p.element_size() for p in opt.params)
-    out = {"held": [], "before": [], "norms": [], "grads_left": 0, "early": 0, "buckets": len(opt.partition.buckets)}
+    out = {"held": [], "before": [], "norms": [], "grads_left": 0, "early": 0, "buckets": len(opt.partition.buckets),
+           "largest_staging": 0, "largest_shard": max(b.shard_numel for b in opt.partition.buckets),
+           "largest_bucket": max(b.numel for b in opt.partition.buckets)}
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         reducer.reset()
@@ -79,6 +81,9 @@ def reduce_job(rank, world_size, method, unused):
             _loss(model, rank, step, micro).backward()
         out["early"] += reducer._next  # parts (p2p: slices; else buckets) started during backward, before finish
         out["before"].append(reducer.held_bytes())
+        out["largest_staging"] = max([out["largest_staging"]] + [  # (a tuple of tensors, or one)
+            t.numel() for bufs in reducer._staging.values() for staging, _ in bufs
+            for t in (staging if isinstance(staging, tuple) else (staging,))])
         reducer.finish()
         out["grads_left"] += sum(p.grad is not None for p in opt.params)
         out["held"].append(reducer.held_bytes())
@@ -135,11 +140,15 @@ def test_gradients_held_after_the_reduction_are_one_shard_and_the_buffers(world_
             assert before["staging"] <= 2 * (2 * SMALL_BUCKET + 4 * world_size)
         # where backward started buckets (not where an unused layer holds them all back)
         assert any(b["staging"] > 0 and b["grads"] < total for b in r["before"])
+        # point to point, no tensor of the staging is larger than one rank's slice of a bucket
+        # (under glibc's mmap threshold from 2 ranks on: reused on CPU, not mapped afresh)
+        assert 0 < r["largest_staging"] <= r["largest_shard"] < r["largest_bucket"]
 
 
 def test_reduce_scatter_collective_gives_the_same_parameters_within_rounding():
     """NCCL's path (``reduce_scatter_tensor``), run on gloo: its sum order is gloo's."""
     for r in run_ranks(3, reduce_job, "reduce_scatter", "skip"):
+        assert r["largest_staging"] >= r["largest_bucket"]  # one tensor: reduce_scatter_tensor takes it whole
         for n, t in r["ref"].items():
             assert torch.allclose(r["params"][n], t, rtol=1e-5, atol=1e-7), n
         assert r["steps"] == r["ref_steps"] and r["grads_left"] == 0
