@@ -19,7 +19,8 @@ same for the CPU heap:
 * the mmap threshold is set to 32 MiB, the highest that glibc's own adaptation reaches on
   64-bit (setting the trim threshold stops that adaptation, so it is fixed here rather
   than left wherever it stood): smaller allocations come from the heap and are reused,
-  larger ones are mapped and unmapped each time, as before.
+  larger ones are mapped and unmapped each time, as before (so the reduction's own staging
+  is cut into tensors of one rank's slice each: :mod:`fairseq_oss.optim.grad_reduction`).
 
 Resident memory between updates then stays at what the update used, instead of falling
 back after it; its peak stays about the same. A user who sets any ``glibc.malloc`` tunable in
