@@ -304,10 +304,12 @@ class GradReducer:
                 self._shards[b] = recv.new_empty(c)
             # this bucket's padded c * N elements: its slices, or one tensor of them all
             staging = tuple(t[:c] for t in staging) if len(staging) > 1 else (staging[0][: c * self.world_size],)
-            self._flying.append({"bucket": b, "staging": staging, "recv": recv, "works": []})
+            self._flying.append(
+                {"bucket": b, "staging": staging, "region": self._region_of(staging, c), "recv": recv, "works": []}
+            )
         flying = self._flying[-1]
         recv, shard = flying["recv"], self._shards[b]
-        region = self._region_of(flying["staging"], c)
+        region = flying["region"]
         for pc in part.pieces:
             dst = region(pc.offset, pc.offset + pc.numel)
             g = self._params[pc.param].grad
@@ -366,7 +368,7 @@ class GradReducer:
         # Rank order, own slice in its place: the same sum on every rank, run after run.
         b = flying["bucket"]
         c = self._buckets[b].shard_numel
-        recv, shard, own = flying["recv"], self._shards[b], self._region_of(flying["staging"], c)
+        recv, shard, own = flying["recv"], self._shards[b], flying["region"]
         parts = [
             own(r * c, (r + 1) * c) if r == self.rank else self._from(recv, r, c) for r in range(self.world_size)
         ]
