@@ -291,17 +291,21 @@ class ShardedAdam(torch.optim.Optimizer):
     def _update_shard(self, bucket: Bucket) -> None:
         """Apply Adam, in place, to this rank's part of the bucket's parameters, piece by
         piece (a piece is one parameter's run of elements), as fairseq's Adam applies it
-        to each whole parameter; pieces without a gradient are left as they are. The
-        pieces held in fp32 are updated together, one multi-tensor op per line of Adam
-        (:func:`_adam_update_pieces`); fp16/bf16 ones one by one, through fp32 copies."""
+        to each whole parameter; pieces without a gradient are left as they are. Pieces
+        held in fp32 are updated together: from a reduced shard (one flat gradient, like
+        the state) by :func:`_adam_update_shard`, in cache-sized runs; from ``.grad`` one
+        multi-tensor op per line of Adam (:func:`_adam_update_pieces`). fp16/bf16 ones one
+        by one, through fp32 copies."""
         group = self.param_groups[bucket.group]
         exp_avg, exp_avg_sq = self._exp_avg[bucket.index], self._exp_avg_sq[bucket.index]
+        flat_grad = None if self._reduced is None else self._reduced[0][bucket.index]
         together = ([], [], [], [], [])  # parameters, gradients, exp_avg, exp_avg_sq, steps
+        in_flat = []  # (piece, parameter view): fp32 pieces stepped from flat_grad
         for pc in self._shards[bucket.index][self.rank]:
-            if self._reduced is not None:
+            if flat_grad is not None:
                 if not self._reduced[1][pc.param]:
                     continue
-                grad = self._reduced[0][bucket.index][pc.offset : pc.offset + pc.numel]
+                grad = flat_grad[pc.offset : pc.offset + pc.numel]
             else:
                 g = self._params[pc.param].grad
                 if g is None:
@@ -310,6 +314,9 @@ class ShardedAdam(torch.optim.Optimizer):
             p = self._piece_view(pc)
             lo, hi = pc.offset, pc.offset + pc.numel
             if p.dtype not in _LOW_PRECISION and grad.dtype not in _LOW_PRECISION:
+                if flat_grad is not None:
+                    in_flat.append((pc, p))
+                    continue
                 for lst, t in zip(together, (p, grad, exp_avg[lo:hi], exp_avg_sq[lo:hi], self._steps[pc.param])):
                     lst.append(t)
                 continue
@@ -319,6 +326,9 @@ class ShardedAdam(torch.optim.Optimizer):
                 p.copy_(p_fp32)
         if together[0]:
             _adam_update_pieces(*together, group)
+        if in_flat:
+            steps = [self._steps[pc.param] for pc, _ in in_flat]
+            _adam_update_shard(in_flat, steps, flat_grad, exp_avg, exp_avg_sq, group)
 
     # ------------------------------------------------------------------ state dict
 
@@ -519,3 +529,55 @@ def _adam_update_pieces(params, grads, exp_avgs, exp_avg_sqs, steps: List[int], 
     if group["weight_decay"] != 0:
         torch._foreach_add_(params, params, alpha=-group["weight_decay"] * group["lr"])
     torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+
+
+# Elements of a shard that _adam_update_shard takes through all of Adam's lines before the
+# next ones, on CPU: 1 MiB per fp32 tensor, so that what one line writes is still in the
+# cache when the next line reads it (a shard of a few million elements read afresh from
+# memory by each of Adam's eight passes takes about twice as long). Elsewhere a run is
+# taken whole, in one kernel launch per line.
+CPU_RUN = 1 << 18
+
+
+def _adam_update_shard(pieces, steps: List[int], grad, exp_avg, exp_avg_sq, group) -> None:
+    """:func:`_adam_update` on a shard's fp32 pieces, from its flat gradient: the lines of
+    Adam that touch the state only (``exp_avg``, ``exp_avg_sq`` and the denominator) run
+    on the shard's elements as they lie, one op over many pieces, and those that touch the
+    parameters on each piece's view (``pieces``: ``(Piece, parameter view)``, ``steps``
+    their step counts). The same element-wise arithmetic in the same order as
+    :func:`_adam_update`, so the same bits; elements of no piece (a parameter without a
+    gradient, the padding) are not touched."""
+    beta1, beta2 = group["betas"]
+    decay = -group["weight_decay"] * group["lr"]
+    sizes = [-(group["lr"] * math.sqrt(1 - beta2**s) / (1 - beta1**s)) for s in steps]
+    order = sorted(range(len(pieces)), key=lambda k: pieces[k][0].offset)
+    runs = []  # [lo, hi, [piece indices]]: pieces that lie end to end in the shard
+    for k in order:
+        pc = pieces[k][0]
+        if runs and runs[-1][1] == pc.offset:
+            runs[-1][1] += pc.numel
+            runs[-1][2].append(k)
+        else:
+            runs.append([pc.offset, pc.offset + pc.numel, [k]])
+    step = CPU_RUN if grad.device.type == "cpu" else max(hi - lo for lo, hi, _ in runs)
+    denom = torch.empty(min(step, max(hi - lo for lo, hi, _ in runs)), dtype=exp_avg.dtype, device=exp_avg.device)
+    for lo, hi, members in runs:
+        for a in range(lo, hi, step):
+            z = min(hi, a + step)
+            g, m, v = grad[a:z], exp_avg[a:z], exp_avg_sq[a:z]
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            d = torch.sqrt(v, out=denom[: z - a]).add_(group["eps"])
+            params, avgs, denoms, step_sizes = [], [], [], []
+            for k in members:
+                pc, view = pieces[k]
+                s, e = max(a, pc.offset), min(z, pc.offset + pc.numel)
+                if s >= e:
+                    continue
+                params.append(view[s - pc.offset : e - pc.offset])
+                avgs.append(exp_avg[s:e])
+                denoms.append(d[s - a : e - a])
+                step_sizes.append(sizes[k])
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(params, params, alpha=decay)
+            torch._foreach_addcdiv_(params, avgs, denoms, step_sizes)
