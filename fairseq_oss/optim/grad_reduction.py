@@ -207,10 +207,11 @@ class GradReducer:
         while self._next < len(self._parts):
             self._start(self._next)
             self._next += 1
+        used = self._used_anywhere()  # on its way while the last buckets arrive
         while self._flying:
             self._complete(self._flying.popleft())
         self._staging.clear()  # between reductions a rank keeps its shards only
-        used = self._used_anywhere()
+        used = used()
         if self._layout is not None:
             used = [any(used[t] for t, _ in runs) for runs in self._layout]
         for p in self._params:
@@ -379,13 +380,22 @@ class GradReducer:
         for t in parts[2:]:
             shard.add_(t)
 
-    def _used_anywhere(self) -> List[bool]:
+    def _used_anywhere(self) -> Callable[[], List[bool]]:
+        """Start finding out which parameters have a gradient on some rank (every part
+        started: this rank's ``_used`` is final); the result, once called. Collective
+        (an all-reduce of one flag per parameter) with ``unused="skip"``: started at the
+        same point of :meth:`finish` on every rank, after every part."""
         if self.unused == "zero":  # as legacy DDP: every parameter that requires one
-            return [p.requires_grad for p in self._params]
+            return lambda: [p.requires_grad for p in self._params]
         device = self._params[0].device if self._params else None
         flags = torch.tensor([int(u) for u in self._used], dtype=torch.int32, device=device)
-        dist.all_reduce(flags, group=self.group)
-        return [bool(v) for v in flags.tolist()]
+        work = dist.all_reduce(flags, group=self.group, async_op=True)
+
+        def result() -> List[bool]:
+            collectives.wait(work)
+            return [bool(v) for v in flags.tolist()]
+
+        return result
 
     # ------------------------------------------------------------------ accounting
 
