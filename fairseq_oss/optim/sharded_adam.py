@@ -533,9 +533,9 @@ def _adam_update_pieces(params, grads, exp_avgs, exp_avg_sqs, steps: List[int], 
 
 # Elements of a shard that _adam_update_shard takes through all of Adam's lines before the
 # next ones, on CPU: 1 MiB per fp32 tensor, so that what one line writes is still in the
-# cache when the next line reads it (a shard of a few million elements read afresh from
-# memory by each of Adam's eight passes takes about twice as long). Elsewhere a run is
-# taken whole, in one kernel launch per line.
+# cache when the next line reads it (a shard of 2.7M elements read afresh from memory by
+# each of Adam's eight passes took 1.15x to 1.35x as long, in training at 2 ranks on this
+# project's 2-core machine). Elsewhere a run is taken whole, in one kernel launch per line.
 CPU_RUN = 1 << 18
 
 
@@ -554,14 +554,19 @@ def _adam_update_shard(pieces, steps: List[int], grad, exp_avg, exp_avg_sq, grou
     runs = []  # [lo, hi, [piece indices]]: pieces that lie end to end in the shard
     for k in order:
         pc = pieces[k][0]
+        if pc.numel == 0:  # nothing to update
+            continue
         if runs and runs[-1][1] == pc.offset:
             runs[-1][1] += pc.numel
             runs[-1][2].append(k)
         else:
             runs.append([pc.offset, pc.offset + pc.numel, [k]])
+    if not runs:
+        return
     step = CPU_RUN if grad.device.type == "cpu" else max(hi - lo for lo, hi, _ in runs)
     denom = torch.empty(min(step, max(hi - lo for lo, hi, _ in runs)), dtype=exp_avg.dtype, device=exp_avg.device)
     for lo, hi, members in runs:
+        first = 0  # the first of the run's pieces that the next stretch reaches
         for a in range(lo, hi, step):
             z = min(hi, a + step)
             g, m, v = grad[a:z], exp_avg[a:z], exp_avg_sq[a:z]
@@ -569,11 +574,13 @@ def _adam_update_shard(pieces, steps: List[int], grad, exp_avg, exp_avg_sq, grou
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             d = torch.sqrt(v, out=denom[: z - a]).add_(group["eps"])
             params, avgs, denoms, step_sizes = [], [], [], []
-            for k in members:
+            for k in members[first:]:  # in offset order, end to end, none empty
                 pc, view = pieces[k]
+                if pc.offset >= z:  # past this stretch
+                    break
                 s, e = max(a, pc.offset), min(z, pc.offset + pc.numel)
-                if s >= e:
-                    continue
+                if e == pc.offset + pc.numel:
+                    first += 1  # done with it
                 params.append(view[s - pc.offset : e - pc.offset])
                 avgs.append(exp_avg[s:e])
                 denoms.append(d[s - a : e - a])
