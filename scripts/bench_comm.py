@@ -106,8 +106,8 @@ def main(argv=None):
                 "sent": statistics.mean(steady(r["sent"]) for r in ranks),
                 "grad_bytes": max(steady(r["grad_bytes"]) for r in ranks),
             }
-    times = {name: {"seconds": [], "after_backward": [], "optimizer": [], "from_last_grad": [], "peak_rss_mb": [],
-                    "minor_faults": []} for name in TIMED}
+    times = {name: {"seconds": [], "after_backward": [], "optimizer": [], "from_last_grad": [],
+                    "from_last_grad_done_last": [], "peak_rss_mb": [], "minor_faults": []} for name in TIMED}
     for i in range(args.rounds):
         for name in TIMED:
             print(f"bench_comm: timing round {i + 1}: {name} ...", flush=True)
@@ -123,14 +123,19 @@ def main(argv=None):
             # the same from the last gradient backward produced: DDP's reduction tail included
             times[name]["from_last_grad"].append(
                 steady([a + w for a, w in zip(r0["after_last_grad"], r0["param_wait"])]))
+            # per update, the rank whose backward ended last (the smaller figure): it waits for no
+            # other rank's backward, so its figure holds the optimizer's own time, not the ranks' skew
+            spans = [[a + w for a, w in zip(r["after_last_grad"], r["param_wait"])] for r in ranks]
+            times[name]["from_last_grad_done_last"].append(steady([min(u) for u in zip(*spans)]))
 
     lines = ["| contender | " + " | ".join(f"MB sent/rank/update N={ws} (x adam)" for ws in args.world_sizes)
              + " | grad MB held/rank N=2 | " + ("s/update N=2 (x adam) | after backward s (x adam) "
                                                  "| after backward + parameter waits s (x adam) "
                                                  "| after the last gradient + parameter waits s (x adam) "
+                                                 "| the same, the rank done last s (x adam) "
                                                  "| peak RSS MB N=2 | minor page faults/update N=2 |"
                                                  if args.rounds else ""),
-             "|---" * (1 + len(args.world_sizes) + 1 + (6 if args.rounds else 0)) + "|"]
+             "|---" * (1 + len(args.world_sizes) + 1 + (7 if args.rounds else 0)) + "|"]
     for name in CONTENDERS:
         cells = []
         for ws in args.world_sizes:
@@ -146,11 +151,13 @@ def main(argv=None):
                 o = statistics.median(times[name]["optimizer"])
                 bo = statistics.median(times["adam"]["optimizer"])
                 g, bg = (statistics.median(times[n]["from_last_grad"]) for n in (name, "adam"))
+                d, bd = (statistics.median(times[n]["from_last_grad_done_last"]) for n in (name, "adam"))
                 cells += [f"{s:.3f} ({s / bs:.2f}x)", f"{a:.4f} ({a / ba:.2f}x)", f"{o:.4f} ({o / bo:.2f}x)",
-                          f"{g:.4f} ({g / bg:.2f}x)", f"{statistics.median(times[name]['peak_rss_mb']):.0f}",
+                          f"{g:.4f} ({g / bg:.2f}x)", f"{d:.4f} ({d / bd:.2f}x)",
+                          f"{statistics.median(times[name]['peak_rss_mb']):.0f}",
                           f"{statistics.median(times[name]['minor_faults']):.0f}"]
             else:
-                cells += ["-"] * 6
+                cells += ["-"] * 7
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     note = (f"Model: transformer_lm, {SIZE['layers']} layers of dim {SIZE['dim']}, vocabulary {SIZE['vocab']} "
             f"(tied embedding); oss_adam's buckets {args.bucket_mb or 32} MiB; {args.precision} "
@@ -159,12 +166,15 @@ def main(argv=None):
             "Bytes: counted at the collectives as NCCL's ring algorithms send them, mean over ranks, median over "
             "updates 3 and later. Grad MB held: the largest rank, after the reduction (the parameters' .grad, "
             "--fp16's fp32 master gradient, oss_adam's shards and buffers). Times: interleaved rounds, "
-            "rank 0, medians. After backward: from the end of the last backward to the end of the step; parameter "
+            "rank 0 unless said, medians. After backward: from the end of the last backward to the end of the step; parameter "
             "waits: the time the update then spends waiting for parameters that the previous step left in flight "
             "(oss_adam reduce_scatter: its exchange behind the next forward). After the last gradient: from the "
             "moment the last backward produced its last gradient (the last of the parameters' post-accumulate-grad "
             "hooks) to the end of the step, so that PyTorch's DDP's reduction tail, which it waits for inside "
-            "backward, counts as oss_adam's does after it; both include the wait for the other rank. Peak RSS: the larger rank's peak resident "
+            "backward, counts as oss_adam's does after it; both include the wait for the other rank. The same, the rank "
+            "done last: per update, the smaller of the two ranks' figures, that of the rank whose backward ended "
+            "last, which waits for no other rank's backward (rank 0's figure holds that wait whenever rank 0 ended "
+            "first), median over updates 3 and later, median over rounds. Peak RSS: the larger rank's peak resident "
             "memory over a timing run (ru_maxrss; model, data, torch and fairseq included), median over rounds. "
             "Minor page faults: per update (ru_minflt), the larger rank's median over updates 3 and later, median "
             "over rounds: pages the update touched fresh from the kernel (oss_adam keeps glibc's freed memory "
