@@ -8,7 +8,9 @@ Workers are started once per world size and kept for the session (``shutdown_poo
 the end): starting a process that imports torch and fairseq costs seconds, a job does not.
 An exception on any rank fails the call with that rank's traceback; a rank that does not
 answer within ``timeout`` seconds (a hung collective) fails it too, and the pool is
-replaced, since its process group can no longer be trusted.
+replaced, since its process group can no longer be trusted. Once a rank has failed, the
+others get ``FAILED_GRACE`` seconds more (they may sit in a collective the failed rank never
+joins), and the failure names the failed rank's traceback either way.
 """
 import io
 import os
@@ -20,6 +22,8 @@ import torch
 import torch.multiprocessing as mp
 
 _POOLS = {}
+# Seconds the other ranks get to answer once one rank has failed.
+FAILED_GRACE = 20
 
 
 def _worker(rank, world_size, init_file, jobs, results):
@@ -63,18 +67,20 @@ class _Pool:
             q.put((fn, args))
         out = {}
         while len(out) < self.world_size:
+            failed = [r for r, res in sorted(out.items()) if "error" in res]
+            wait = min(timeout, FAILED_GRACE) if failed else timeout
             try:
-                rank, data = self.results.get(timeout=timeout)
+                rank, data = self.results.get(timeout=wait)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                after = f" after rank(s) {failed} failed" if failed else ""
                 raise AssertionError(
                     f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out))} did not "
-                    f"answer within {timeout} s (dead: {dead})"
+                    f"answer within {wait} s{after} (dead: {dead})" + _errors(out)
                 ) from None
             out[rank] = torch.load(io.BytesIO(data), weights_only=False)
-        errors = [f"rank {r}:\n{res['error']}" for r, res in sorted(out.items()) if "error" in res]
-        if errors:
-            raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(errors))
+        if any("error" in res for res in out.values()):
+            raise AssertionError(f"{fn.__name__} failed" + _errors(out))
         return [out[r]["ok"] for r in range(self.world_size)]
 
     def close(self, graceful=True):
@@ -87,6 +93,11 @@ class _Pool:
             if p.is_alive():
                 p.kill()
         self.tmp.cleanup()
+
+
+def _errors(out) -> str:
+    """The failed ranks' tracebacks, each after a line naming the rank."""
+    return "".join(f"\nrank {r}:\n{res['error']}" for r, res in sorted(out.items()) if "error" in res)
 
 
 def run_ranks(world_size, fn, *args, timeout=300):
