@@ -11,7 +11,7 @@ reduction in backward off for fairseq's ``--update-freq`` micro-batches. oss_ada
 leaves its parameters' exchange in flight, and the wrapper makes every read of a
 parameter wait for it (:mod:`fairseq_oss.optim.param_reads`): its forward waits parameter
 by parameter, anything else that reads the model waits for all (a deep copy, as fairseq
-builds its EMA, for each parameter it copies).
+builds its EMA, or a pickle: for each parameter it copies).
 """
 import contextlib
 import logging

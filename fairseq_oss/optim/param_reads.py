@@ -17,9 +17,10 @@ parameter may come before its pieces have: this module puts the waits where the 
 * **Everything else waits for all of it** (:func:`install_read_hooks`): a forward of any
   module outside that mode (a generator calling ``model.encoder``), ``state_dict()`` (saves,
   EMA), ``load_state_dict()`` of any module of the model; and the next step.
-* **A deep copy** of a parameter (so of any module holding one: fairseq builds its EMA as
-  ``copy.deepcopy(model)`` right after a step) waits for that parameter: the first
-  :class:`ReadGuard` wraps ``torch.nn.Parameter.__deepcopy__`` for the whole process.
+* **A copy or a pickle** of a parameter (so of any module holding one: fairseq builds its EMA
+  as ``copy.deepcopy(model)`` right after a step; ``torch.save(model)``, ``copy.copy``)
+  waits for that parameter: the first :class:`ReadGuard` wraps
+  ``torch.nn.Parameter.__deepcopy__`` and ``__reduce_ex__`` for the whole process.
 
 Nothing here is collective: a rank waits for its own messages.
 """
@@ -60,13 +61,13 @@ class ReadGuard:
     """The waits for one model: :meth:`forward` runs a forward under :class:`WaitForParams`,
     and the hooks that :func:`install_read_hooks` installs call :meth:`wait_all` unless
     such a forward is running. ``exchange()`` returns the exchange of the optimizer built
-    last over the model's parameters (None: nothing to wait for). Building one makes deep
-    copies of parameters wait, process-wide."""
+    last over the model's parameters (None: nothing to wait for). Building one makes copies
+    and pickles of parameters wait, process-wide."""
 
     def __init__(self, exchange: Callable[[], Optional[ParamExchange]]):
         self.exchange = exchange
         self.in_forward = False
-        _wait_in_deep_copies()
+        _wait_in_copies()
 
     def forward(self, module, *args, **kwargs):
         exchange = self.exchange()
@@ -118,10 +119,22 @@ def _deepcopy_when_arrived(self, memo):
     return PARAMETER_DEEPCOPY(self, memo)
 
 
+def _reduce_ex_when_arrived(self, protocol):
+    """``torch.nn.Parameter.__reduce_ex__`` (pickling: ``torch.save``, ``copy.copy``), once
+    this parameter holds what the last step computed: ``torch.save`` writes the storage's
+    bytes after pickling the object that holds it, so waiting here is waiting before."""
+    param_exchange.wait_for(self)
+    return PARAMETER_REDUCE_EX(self, protocol)
+
+
 PARAMETER_DEEPCOPY = torch.nn.Parameter.__deepcopy__
+PARAMETER_REDUCE_EX = torch.nn.Parameter.__reduce_ex__
 
 
-def _wait_in_deep_copies() -> None:
-    """Wrap ``torch.nn.Parameter.__deepcopy__`` (once, for the whole process)."""
+def _wait_in_copies() -> None:
+    """Wrap ``torch.nn.Parameter.__deepcopy__`` and ``__reduce_ex__`` (once, for the whole
+    process)."""
     if torch.nn.Parameter.__deepcopy__ is PARAMETER_DEEPCOPY:
         torch.nn.Parameter.__deepcopy__ = _deepcopy_when_arrived
+    if torch.nn.Parameter.__reduce_ex__ is PARAMETER_REDUCE_EX:
+        torch.nn.Parameter.__reduce_ex__ = _reduce_ex_when_arrived

@@ -9,10 +9,11 @@ a forward through :class:`ReadGuard` in which a module reads a child's weight wi
 calling the child (as fairseq's MultiheadAttention does) and another reads its own
 weight where no torch function sees it (as a C++ extension may), a child module called outside
 that forward, ``state_dict()`` (a save right after the step), ``load_state_dict()``
-(what it loads is not overwritten afterwards by pieces still arriving), and a deep copy
-of the model (fairseq's EMA).
+(what it loads is not overwritten afterwards by pieces still arriving), a deep copy
+of the model (fairseq's EMA) and a pickle of its parameters (``torch.save``).
 """
 import copy
+import io
 import time
 import types
 
@@ -97,8 +98,15 @@ def reads_job(rank, world_size, exchange, bucket_bytes):
     out["deepcopy"] = ({k: v.detach().clone() for k, v in copied.named_parameters()},
                        {k: v.detach().clone() for k, v in ref_reader.named_parameters()})
 
-    earlier = {k: v.clone() for k, v in reader.state_dict().items()}
     out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 9, side))
+    buf = io.BytesIO()
+    torch.save(dict(reader.named_parameters()), buf)  # the Parameters themselves, pickled
+    buf.seek(0)
+    out["pickled"] = ({k: v.detach().clone() for k, v in torch.load(buf, weights_only=True).items()},
+                      {k: v.detach().clone() for k, v in ref_reader.named_parameters()})
+
+    earlier = {k: v.clone() for k, v in reader.state_dict().items()}
+    out["unread"].append(_step_before_the_others(rank, model, opt, ref, ref_opt, 10, side))
     reader.load_state_dict(earlier)
     opt.param_exchange.wait_all()  # anything still arriving would land now
     out["loaded"] = ({k: v.clone() for k, v in reader.state_dict().items()}, earlier)
@@ -127,7 +135,7 @@ def test_no_read_right_after_a_deferred_step_is_stale(world_size, exchange, buck
     results = run_ranks(world_size, reads_job, exchange, bucket_bytes, timeout=120)
     assert results[0]["exchange"] == (exchange or "p2p")
     for rank, res in enumerate(results):
-        for what in ("forward", "child", "state_dict", "loaded", "deepcopy"):
+        for what in ("forward", "child", "state_dict", "loaded", "deepcopy", "pickled"):
             _assert_equal(res[what], (rank, what))
     # Each read did come with pieces not waited for yet (none at one rank: nothing to exchange).
     for unread in results[0]["unread"]:
