@@ -11,8 +11,8 @@ gives it back, and the next forward and backward fault it in again. Counted with
 ``strace`` and ``getrusage`` on scripts/bench_comm.py's model at 2 ranks: the heap shrank by
 46 to 65 MB after every backward, and a rank's update took 361 to 14,928 minor page faults
 (medians, in 7 of 8 rank-runs), in forward and backward; plain adam, whose gradients live
-until the next update, kept its heap and took 2 to 7 in most runs. Now 4 to 6. On GPUs PyTorch's caching allocator keeps freed memory; this does the
-same for the CPU heap:
+until the next update, kept its heap and took 2 to 7 in most runs. Now 4 to 6. On GPUs
+PyTorch's caching allocator keeps freed memory; this does the same for the CPU heap:
 
 * the trim threshold is set to ``INT_MAX`` (mallopt takes an int): the heap's top is given
   back only when 2 GiB are free there;
@@ -23,8 +23,8 @@ same for the CPU heap:
   is cut into tensors of one rank's slice each: :mod:`fairseq_oss.optim.grad_reduction`).
 
 Resident memory between updates then stays at what the update used, instead of falling
-back after it; its peak stays about the same. A user who sets any ``glibc.malloc`` tunable in
-``GLIBC_TUNABLES`` keeps their own settings: nothing is changed then.
+back after it; its peak stays about the same. A user who sets any ``glibc.malloc`` tunable
+in ``GLIBC_TUNABLES`` keeps their own settings: nothing is changed then.
 """
 import ctypes
 import logging

@@ -525,10 +525,17 @@ def _adam_update_pieces(params, grads, exp_avgs, exp_avg_sqs, steps: List[int], 
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     denoms = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denoms, group["eps"])
-    step_sizes = [-(group["lr"] * math.sqrt(1 - beta2**s) / (1 - beta1**s)) for s in steps]
+    step_sizes = _step_sizes(steps, group)
     if group["weight_decay"] != 0:
         torch._foreach_add_(params, params, alpha=-group["weight_decay"] * group["lr"])
     torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+
+
+def _step_sizes(steps: List[int], group) -> List[float]:
+    """Minus :func:`_adam_update`'s ``step_size`` for each step count, as a Python float
+    computed in the same order (so the same bits)."""
+    beta1, beta2 = group["betas"]
+    return [-(group["lr"] * math.sqrt(1 - beta2**s) / (1 - beta1**s)) for s in steps]
 
 
 # Elements of a shard that _adam_update_shard takes through all of Adam's lines before the
@@ -543,38 +550,35 @@ def _adam_update_shard(pieces, steps: List[int], grad, exp_avg, exp_avg_sq, grou
     """:func:`_adam_update` on a shard's fp32 pieces, from its flat gradient: the lines of
     Adam that touch the state only (``exp_avg``, ``exp_avg_sq`` and the denominator) run
     on the shard's elements as they lie, one op over many pieces, and those that touch the
-    parameters on each piece's view (``pieces``: ``(Piece, parameter view)``, ``steps``
-    their step counts). The same element-wise arithmetic in the same order as
+    parameters on each piece's view (``pieces``: ``(Piece, parameter view)`` in the shard's
+    order, ``steps`` their step counts). The same element-wise arithmetic in the same order as
     :func:`_adam_update`, so the same bits; elements of no piece (a parameter without a
     gradient, the padding) are not touched."""
     beta1, beta2 = group["betas"]
     decay = -group["weight_decay"] * group["lr"]
-    sizes = [-(group["lr"] * math.sqrt(1 - beta2**s) / (1 - beta1**s)) for s in steps]
-    order = sorted(range(len(pieces)), key=lambda k: pieces[k][0].offset)
-    runs = []  # [lo, hi, [piece indices]]: pieces that lie end to end in the shard
-    for k in order:
-        pc = pieces[k][0]
-        if pc.numel == 0:  # nothing to update
-            continue
+    sizes = _step_sizes(steps, group)
+    runs = []  # [lo, hi, [piece indices]]: pieces that lie end to end in the shard, in offset order
+    for k, (pc, _) in enumerate(pieces):
         if runs and runs[-1][1] == pc.offset:
             runs[-1][1] += pc.numel
             runs[-1][2].append(k)
         else:
             runs.append([pc.offset, pc.offset + pc.numel, [k]])
-    if not runs:
+    longest = max((hi - lo for lo, hi, _ in runs), default=0)
+    if longest == 0:
         return
-    step = CPU_RUN if grad.device.type == "cpu" else max(hi - lo for lo, hi, _ in runs)
-    denom = torch.empty(min(step, max(hi - lo for lo, hi, _ in runs)), dtype=exp_avg.dtype, device=exp_avg.device)
+    stretch = min(CPU_RUN, longest) if grad.device.type == "cpu" else longest
+    denom = torch.empty(stretch, dtype=exp_avg.dtype, device=exp_avg.device)
     for lo, hi, members in runs:
         first = 0  # the first of the run's pieces that the next stretch reaches
-        for a in range(lo, hi, step):
-            z = min(hi, a + step)
+        for a in range(lo, hi, stretch):
+            z = min(hi, a + stretch)
             g, m, v = grad[a:z], exp_avg[a:z], exp_avg_sq[a:z]
             m.mul_(beta1).add_(g, alpha=1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             d = torch.sqrt(v, out=denom[: z - a]).add_(group["eps"])
             params, avgs, denoms, step_sizes = [], [], [], []
-            for k in members[first:]:  # in offset order, end to end, none empty
+            for k in members[first:]:  # in offset order, end to end
                 pc, view = pieces[k]
                 if pc.offset >= z:  # past this stretch
                     break
