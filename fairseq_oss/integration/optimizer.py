@@ -175,7 +175,10 @@ class FairseqOSSAdam(FairseqOptimizer):
         return norm
 
     def zero_grad(self):
-        super().zero_grad()
+        # Sets every .grad, reads no parameter's values: out of sight of the step's watch
+        # (param_reads), which would otherwise see each parameter twice.
+        with torch._C.DisableTorchFunction():
+            super().zero_grad()
         if self._reducer is not None:
             self._reducer.reset()
 

@@ -17,6 +17,16 @@ parameter may come before its pieces have: this module puts the waits where the 
 * **Everything else waits for all of it** (:func:`install_read_hooks`): a forward of any
   module outside that mode (a generator calling ``model.encoder``), ``state_dict()`` (saves,
   EMA), ``load_state_dict()`` of any module of the model; and the next step.
+* **Any other read, on the thread that stepped** (:func:`watch`): from the deferred step's
+  return until everything has arrived, the same mode sits on that thread's mode stack, so
+  that code outside the model's modules reading a parameter (``p.data``, ``p.tolist()``,
+  ``p.detach().numpy()``, ``p[0]``, ``torch.equal(p, q)``) waits for that parameter too.
+  Reads of a parameter's metadata (``.grad``, ``.shape``, ``requires_grad`` ...) do not
+  wait: fairseq's ``zero_grad`` sets every ``.grad`` right after the step. The training
+  forward runs under it, and takes it off the stack (:func:`settle`) once everything has
+  arrived, so what follows pays nothing for it. (A step taken inside a mode of someone
+  else's waits for everything before it returns instead.) Another thread's reads are not
+  seen: the mode stack is per thread.
 * **A copy or a pickle** of a parameter (so of any module holding one: fairseq builds its EMA
   as ``copy.deepcopy(model)`` right after a step; ``torch.save(model)``, ``copy.copy``)
   waits for that parameter: the first :class:`ReadGuard` wraps
@@ -33,18 +43,42 @@ from fairseq_oss.optim import param_exchange
 from fairseq_oss.optim.param_exchange import ParamExchange
 
 
+# What reads a tensor's metadata, not its values (attributes, and methods): a parameter
+# handed to these is not waited for.
+_METADATA = frozenset({
+    "grad", "_grad", "requires_grad", "requires_grad_", "retain_grad", "retains_grad", "is_leaf", "grad_fn",
+    "_grad_fn", "_base", "_version", "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks",
+    "register_hook", "register_post_accumulate_grad_hook", "name", "names",
+    "shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "__len__", "dtype", "element_size",
+    "itemsize", "nbytes", "stride", "storage_offset", "is_contiguous", "layout", "device", "get_device",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_floating_point", "is_complex", "__hash__",
+})
+
+
+def _reads_values(func) -> bool:
+    """Whether the torch function ``func`` may read (or write) its tensors' values: not a
+    read of metadata (a method in :data:`_METADATA`, or such an attribute's getter or
+    setter)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name not in _METADATA
+
+
 class WaitForParams(TorchFunctionMode):
-    """Within the block, a torch function waits for the parameters among its arguments
+    """Within the block (or while :func:`watch` keeps it on the stack), a torch function
+    that may read its tensors' values waits for the parameters among its arguments
     (tensors, or tensors in lists and tuples) that ``exchange`` has not received yet.
     Once everything has arrived it only passes calls through."""
 
-    def __init__(self, exchange: ParamExchange):
+    def __init__(self, exchange: ParamExchange, watching: bool = False):
         super().__init__()
         self.exchange = exchange
+        self.watching = watching  # pushed by watch(), taken off by settle()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.exchange.unread:
+        if self.exchange.unread and _reads_values(func):
             self._wait_for(args)
             self._wait_for(kwargs.values())
         return func(*args, **kwargs)
@@ -71,14 +105,19 @@ class ReadGuard:
 
     def forward(self, module, *args, **kwargs):
         exchange = self.exchange()
+        if not self.in_forward:
+            settle()  # a watch whose parameters were all read meanwhile
         if exchange is None or not exchange.unread or self.in_forward:
             return module(*args, **kwargs)
         self.in_forward = True
         try:
+            if _watch_of(exchange) is not None:  # the step's watch is the mode
+                return module(*args, **kwargs)
             with WaitForParams(exchange):
                 return module(*args, **kwargs)
         finally:
             self.in_forward = False
+            settle()
 
     def before_forward(self, module, _args) -> None:
         """A module's forward pre-hook. Inside :meth:`forward`: wait for the module's own
@@ -92,11 +131,58 @@ class ReadGuard:
         if exchange is not None and exchange.unread:
             for p in module.parameters(recurse=False):
                 exchange.wait_tensor(p)
+        settle()  # once everything has arrived, the rest of the forward runs without the watch
 
     def wait_all(self, *_args, **_kwargs) -> None:
         exchange = self.exchange()
-        if exchange is not None and exchange.in_flight and not self.in_forward:
+        if self.in_forward:
+            return
+        if exchange is not None and exchange.in_flight:
             exchange.wait_all()
+        settle()
+
+
+def watch(exchange: ParamExchange) -> None:
+    """Make any torch function called on this thread with a parameter of ``exchange`` (or a
+    view of one) wait for that parameter first, until :func:`settle` (a
+    :class:`WaitForParams` pushed on this thread's mode stack; nothing if nothing is in
+    flight or it is there already). ShardedAdam's deferred step calls it as it returns.
+
+    Where a mode of someone else's is active (a ``with`` block around the step), whose
+    exit would take off whatever is on top of the stack, this waits for everything
+    instead: the step is then not deferred. ``torch.device`` modes (``set_default_device``)
+    take their exit with others above them, and do not stop it."""
+    if not exchange.unread or _watch_of(exchange) is not None:
+        return
+    if all(_leaves_watch_on(m) for m in torch.overrides._get_current_function_mode_stack()):
+        WaitForParams(exchange, watching=True).__enter__()
+    else:
+        exchange.wait_all()
+
+
+def settle() -> None:
+    """Take off this thread's mode stack the :func:`watch` modes on top of it whose exchanges
+    have arrived (one below a mode pushed after it and still active stays: it then only
+    passes calls through, until a later settle finds it on top)."""
+    while True:
+        top = torch.overrides._get_current_function_mode()
+        if not (isinstance(top, WaitForParams) and top.watching and not top.exchange.unread):
+            return
+        top.__exit__(None, None, None)
+
+
+def _leaves_watch_on(mode) -> bool:
+    """Whether ``mode``'s exit leaves a mode pushed above it on the stack."""
+    from torch.utils._device import DeviceContext  # not at import: fairseq never loads it
+
+    return isinstance(mode, DeviceContext) or (isinstance(mode, WaitForParams) and mode.watching)
+
+
+def _watch_of(exchange: ParamExchange) -> Optional[WaitForParams]:
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if isinstance(mode, WaitForParams) and mode.watching and mode.exchange is exchange:
+            return mode
+    return None
 
 
 def install_read_hooks(model: torch.nn.Module, guard: ReadGuard) -> list:

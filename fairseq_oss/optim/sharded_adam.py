@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq_oss.optim import collectives, gather
+from fairseq_oss.optim import collectives, gather, param_reads
 from fairseq_oss.optim.param_exchange import ParamExchange
 from fairseq_oss.optim.partition import (
     Bucket, ParamSpec, Partition, Piece, bucket_count, bucket_onto, onto, partition,
@@ -69,9 +69,10 @@ class ShardedAdam(torch.optim.Optimizer):
             stages through temporary buffers of its own, else ``"all_gather"`` (NCCL).
         max_buckets: refuse a bucket size that makes more buckets than this
             (:class:`TooManyBuckets`), before anything is allocated; ``None``: no limit.
-        defer_exchange: :meth:`step` returns with the exchange in flight; whoever reads
-            the parameters waits on :attr:`param_exchange` first (see
-            :mod:`fairseq_oss.optim.param_reads`). Also settable as an attribute.
+        defer_exchange: :meth:`step` returns with the exchange in flight; on the thread
+            that stepped, a torch function given a parameter waits for that parameter's
+            pieces first, until all have arrived (:func:`~fairseq_oss.optim.param_reads.watch`);
+            another thread waits on :attr:`param_exchange` first. Also settable as an attribute.
 
     Raises:
         ValueError: for ``amsgrad=True`` (fairseq never enables it), a sparse or
@@ -225,12 +226,15 @@ class ShardedAdam(torch.optim.Optimizer):
         # What the previous step left in flight: the updates below write into the memory
         # its sends read from.
         self.param_exchange.wait_all()
+        param_reads.settle()
         for b in self.partition.buckets:
             self._update_shard(b)
             if self._copies is not None:
                 self._copy_into_targets(b)
             self.param_exchange.start(b)  # in flight while the next bucket is updated
-        if not self.defer_exchange:
+        if self.defer_exchange:
+            param_reads.watch(self.param_exchange)  # a read on this thread waits for what it reads
+        else:
             self.param_exchange.wait_all()
         self._reduced = None
         return loss
@@ -249,6 +253,7 @@ class ShardedAdam(torch.optim.Optimizer):
         Not collective; every rank calls it alike, between steps.
         """
         self.param_exchange.wait_all()
+        param_reads.settle()
         buckets = [bucket_onto(b, layout) for b in self.partition.buckets]
         shards = [[b.shard_pieces(r) for r in range(self.world_size)] for b in buckets]
         self._copies = [
