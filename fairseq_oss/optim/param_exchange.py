@@ -20,6 +20,7 @@ of their own (``EXCHANGE_TAG_BASE`` and up), so an exchange in flight never take
 messages of any other point-to-point transfer of the same ranks.
 """
 import logging
+import threading
 import weakref
 from typing import Dict, List, Sequence, Set, Tuple
 
@@ -82,7 +83,10 @@ class ParamExchange:
         method: ``"p2p"`` or ``"all_gather"``.
 
     .. warning:: :meth:`start` is collective: call it on all ranks, for the same buckets in
-        the same order. The waits are not: each rank waits for its own messages.
+        the same order. The waits are not: each rank waits for its own messages. The waits
+        may come from any thread (a copy or a pickle of a parameter waits on the thread
+        that makes it): one at a time, and a wait returns only once what it waited for
+        has arrived, whichever thread received it.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[Bucket],
@@ -109,6 +113,9 @@ class ParamExchange:
         self.unread: Set[int] = set()  # parameters with pieces not received yet
         self._buffers: Dict[str, List[torch.Tensor]] = {}
         self._buffer_user: Dict[Tuple[str, int], int] = {}  # (kind, slot) -> bucket in flight
+        # Held while the bookkeeping above changes and while a wait blocks: a second
+        # thread asking for a parameter that a first one is receiving waits until it has.
+        self._lock = threading.RLock()
         _LIVE.add(self)
 
     @property
@@ -133,11 +140,12 @@ class ParamExchange:
         receiving theirs into the parameters. Collective."""
         if self.world_size == 1:
             return
-        if self.method == "p2p":
-            exchange = self._start_p2p(bucket)
-        else:
-            exchange = self._start_all_gather(bucket)
-        self._in_flight[bucket.index] = exchange
+        with self._lock:
+            if self.method == "p2p":
+                exchange = self._start_p2p(bucket)
+            else:
+                exchange = self._start_all_gather(bucket)
+            self._in_flight[bucket.index] = exchange
 
     def _start_p2p(self, bucket: Bucket) -> _PointToPoint:
         shards = self.shards[bucket.index]
@@ -191,13 +199,16 @@ class ParamExchange:
         """Wait until parameter ``param`` (an index) is whole on this rank."""
         if param not in self.unread:
             return
-        for b in self._buckets_of.get(param, ()):
-            exchange = self._in_flight.get(b)
-            if exchange is not None:
-                exchange.wait(param)
-                if isinstance(exchange, _AllGather):
-                    self._finish(b)
-        self.unread.discard(param)
+        with self._lock:
+            if param not in self.unread:  # another thread received it meanwhile
+                return
+            for b in self._buckets_of.get(param, ()):
+                exchange = self._in_flight.get(b)
+                if exchange is not None:
+                    exchange.wait(param)
+                    if isinstance(exchange, _AllGather):
+                        self._finish(b)
+            self.unread.discard(param)
 
     def wait_tensor(self, tensor: torch.Tensor) -> None:
         """:meth:`wait` for ``tensor`` if it is one of the parameters or a view of one."""
@@ -217,9 +228,10 @@ class ParamExchange:
 
     def wait_all(self) -> None:
         """Wait for every exchange in flight, sends included."""
-        for b in sorted(self._in_flight):
-            self._finish(b)
-        self.unread.clear()
+        with self._lock:
+            for b in sorted(self._in_flight):
+                self._finish(b)
+            self.unread.clear()
 
 
 _LIVE: "weakref.WeakSet[ParamExchange]" = weakref.WeakSet()

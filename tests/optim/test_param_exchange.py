@@ -1,0 +1,77 @@
+"""ParamExchange's waits from several threads: a copy or a pickle of a parameter waits on
+the thread that makes it, while the training thread may be waiting for the same
+parameter. A wait must return only once the parameter has arrived, whichever thread
+received it.
+
+The exchange is a one-rank one with a message put in flight by hand, whose ``wait``
+blocks until the test lets it land, so the interleaving is fixed, not raced.
+"""
+import threading
+
+import torch
+
+from fairseq_oss.optim.param_exchange import _PointToPoint
+from fairseq_oss.optim.sharded_adam import ShardedAdam
+
+
+class HeldMessage:
+    """A receive in flight into ``param``: its ``wait`` blocks until :attr:`land` is set,
+    then writes ``value`` into the parameter (the message arriving)."""
+
+    def __init__(self, param, value):
+        self.param, self.value = param, value
+        self.waiting, self.land = threading.Event(), threading.Event()
+
+    def wait(self):
+        self.waiting.set()
+        assert self.land.wait(60), "the test never let the message land"
+        with torch.no_grad():
+            self.param.fill_(self.value)
+        return True
+
+
+def test_a_second_thread_waits_until_the_first_has_received_the_parameter():
+    p = torch.nn.Parameter(torch.zeros(4))
+    exchange = ShardedAdam([p]).param_exchange
+    message = HeldMessage(p, 1.0)
+    exchange._in_flight[0] = _PointToPoint({0: [message]}, [])
+    exchange.unread.add(0)
+
+    first = threading.Thread(target=exchange.wait, args=(0,), daemon=True)
+    first.start()
+    assert message.waiting.wait(60)  # the first thread is receiving it
+    seen = []
+    second = threading.Thread(target=lambda: (exchange.wait(0), seen.append(p.detach().clone())), daemon=True)
+    second.start()
+    second.join(0.5)
+    still_waiting = second.is_alive() and not seen  # the parameter has not arrived
+    message.land.set()
+    assert still_waiting
+    first.join(60)
+    second.join(60)
+    assert not first.is_alive() and not second.is_alive()
+    assert torch.equal(seen[0], torch.ones(4))  # what arrived, not what was there before
+    assert not exchange.unread
+
+
+def test_wait_all_on_another_thread_waits_for_a_parameter_being_received():
+    p = torch.nn.Parameter(torch.zeros(4))
+    exchange = ShardedAdam([p]).param_exchange
+    message = HeldMessage(p, 2.0)
+    exchange._in_flight[0] = _PointToPoint({0: [message]}, [])
+    exchange.unread.add(0)
+
+    first = threading.Thread(target=exchange.wait, args=(0,), daemon=True)
+    first.start()
+    assert message.waiting.wait(60)
+    seen = []
+    second = threading.Thread(target=lambda: (exchange.wait_all(), seen.append(p.detach().clone())), daemon=True)
+    second.start()
+    second.join(0.5)
+    still_waiting = second.is_alive() and not seen
+    message.land.set()
+    assert still_waiting
+    first.join(60)
+    second.join(60)
+    assert torch.equal(seen[0], torch.full((4,), 2.0))
+    assert not exchange.unread and not exchange.in_flight
