@@ -48,7 +48,7 @@ from fairseq_oss.optim.param_exchange import ParamExchange
 _METADATA = frozenset({
     "grad", "_grad", "requires_grad", "requires_grad_", "retain_grad", "retains_grad", "is_leaf", "grad_fn",
     "_grad_fn", "_base", "_version", "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks",
-    "register_hook", "register_post_accumulate_grad_hook", "name", "names",
+    "register_hook", "register_post_accumulate_grad_hook", "names",
     "shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "__len__", "dtype", "element_size",
     "itemsize", "nbytes", "stride", "storage_offset", "is_contiguous", "layout", "device", "get_device",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_floating_point", "is_complex", "__hash__",

@@ -8,6 +8,7 @@ blocks until the test lets it land, so the interleaving is fixed, not raced.
 """
 import threading
 
+import pytest
 import torch
 
 from fairseq_oss.optim.param_exchange import _PointToPoint
@@ -30,31 +31,8 @@ class HeldMessage:
         return True
 
 
-def test_a_second_thread_waits_until_the_first_has_received_the_parameter():
-    p = torch.nn.Parameter(torch.zeros(4))
-    exchange = ShardedAdam([p]).param_exchange
-    message = HeldMessage(p, 1.0)
-    exchange._in_flight[0] = _PointToPoint({0: [message]}, [])
-    exchange.unread.add(0)
-
-    first = threading.Thread(target=exchange.wait, args=(0,), daemon=True)
-    first.start()
-    assert message.waiting.wait(60)  # the first thread is receiving it
-    seen = []
-    second = threading.Thread(target=lambda: (exchange.wait(0), seen.append(p.detach().clone())), daemon=True)
-    second.start()
-    second.join(0.5)
-    still_waiting = second.is_alive() and not seen  # the parameter has not arrived
-    message.land.set()
-    assert still_waiting
-    first.join(60)
-    second.join(60)
-    assert not first.is_alive() and not second.is_alive()
-    assert torch.equal(seen[0], torch.ones(4))  # what arrived, not what was there before
-    assert not exchange.unread
-
-
-def test_wait_all_on_another_thread_waits_for_a_parameter_being_received():
+@pytest.mark.parametrize("second_wait", ["wait", "wait_all"])
+def test_a_second_thread_waits_until_the_first_has_received_the_parameter(second_wait):
     p = torch.nn.Parameter(torch.zeros(4))
     exchange = ShardedAdam([p]).param_exchange
     message = HeldMessage(p, 2.0)
@@ -63,15 +41,17 @@ def test_wait_all_on_another_thread_waits_for_a_parameter_being_received():
 
     first = threading.Thread(target=exchange.wait, args=(0,), daemon=True)
     first.start()
-    assert message.waiting.wait(60)
+    assert message.waiting.wait(60)  # the first thread is receiving it
     seen = []
-    second = threading.Thread(target=lambda: (exchange.wait_all(), seen.append(p.detach().clone())), daemon=True)
+    wait = (lambda: exchange.wait(0)) if second_wait == "wait" else exchange.wait_all
+    second = threading.Thread(target=lambda: (wait(), seen.append(p.detach().clone())), daemon=True)
     second.start()
     second.join(0.5)
-    still_waiting = second.is_alive() and not seen
+    still_waiting = second.is_alive() and not seen  # the parameter has not arrived
     message.land.set()
     assert still_waiting
     first.join(60)
     second.join(60)
-    assert torch.equal(seen[0], torch.full((4,), 2.0))
-    assert not exchange.unread and not exchange.in_flight
+    assert not first.is_alive() and not second.is_alive()
+    assert torch.equal(seen[0], torch.full((4,), 2.0))  # what arrived, not what was there before
+    assert not exchange.unread
