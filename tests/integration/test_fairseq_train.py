@@ -5,6 +5,7 @@ Assumption: with the same seed, data and world size, fairseq's training is deter
 on CPU, so any difference in the checkpoints comes from the optimizer. Checkpoints are
 compared bit for bit (tests/checks.py).
 """
+import json
 import os
 import re
 import subprocess
@@ -16,8 +17,8 @@ import torch
 from fairseq_oss.integration import rank_start
 
 from checks import assert_close_training_state, assert_same_training_state, load
-from launch import (ASYNC, BIN, CLIPPING, COMMON, DEFAULT_WORKERS, ENV, FIRST, RESUMED, ROOT, SUM_ORDER_RTOL, WITHOUT_HOOK, ckpt,
-                    run, tool, train)
+from launch import (ASYNC, BIN, CLIPPING, COMMON, DEFAULT_WORKERS, ENV, FIRST, RESUMED, ROOT, SUM_ORDER_RTOL, WITHOUT_HOOK, attempt,
+                    ckpt, run, tool, train, train_cmd)
 
 
 def assert_matches_adam(got, want, world_size):
@@ -109,6 +110,30 @@ def test_ema_and_validation_right_after_steps_equal_adams(data, tmp_path):
     # The EMA moved away from the model: it averaged the steps it was given.
     model = load(ckpt(dirs["adam"]))["model"]
     assert any(not torch.equal(model[name], t) for name, t in want.items() if t.is_floating_point())
+
+
+READS_PLUGIN = os.path.join(ROOT, "tests", "plugins", "reads")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_p_data_read_right_after_each_step_is_what_the_step_computed(data, base, tmp_path, world_size):
+    """A user's task reads every parameter through ``p.data`` right after fairseq's
+    optimizer step, on every rank, while oss_adam's exchange of them is in flight (it runs
+    behind the next forward): each read equals what has arrived once the exchange is
+    waited for, and the run trains as one without the reads does."""
+    d, out = str(tmp_path / "run"), str(tmp_path / "reads")
+    os.makedirs(out)
+    cmd = train_cmd(data, d, "oss_adam", world_size, FIRST, "--user-dir", READS_PLUGIN, "--task", "lm_reads_after_step")
+    rc, log = attempt(cmd, env={"READS_OUT": out}, timeout=300)
+    assert rc == 0, log[-3000:]
+    for rank in range(world_size):
+        with open(os.path.join(out, f"rank{rank}.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        assert [r["update"] for r in records] == list(range(FIRST)), rank
+        assert all(r["same"] for r in records), (rank, records)
+        # Every read met the exchange in flight (nothing to exchange at one rank).
+        assert all(r["in_flight"] == (world_size > 1) for r in records), (rank, records)
+    assert_same_training_state(ckpt(d), ckpt(base[("oss_adam", world_size)]))
 
 
 def test_checkpoint_is_plain_adam_format_and_size(base):
