@@ -134,9 +134,9 @@ class ReadGuard:
         settle()  # once everything has arrived, the rest of the forward runs without the watch
 
     def wait_all(self, *_args, **_kwargs) -> None:
-        exchange = self.exchange()
         if self.in_forward:
             return
+        exchange = self.exchange()
         if exchange is not None and exchange.in_flight:
             exchange.wait_all()
         settle()
