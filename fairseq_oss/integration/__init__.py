@@ -6,7 +6,8 @@ shards it leaves (:mod:`.amp`) and ``--fp16``'s master copy sharded (:mod:`.fp16
 CPU launch fixes
 (:mod:`.compat`), and fairseq's save path (:mod:`.save_path`, with the ``--keep-*``
 rules of asynchronous saves, :mod:`.pruning`), load path (:mod:`.load_path`) and
-launcher (:mod:`.launcher`), each patch installed once (:mod:`.patching`) and doing
+launcher (:mod:`.launcher`, which stops fairseq's background batch threads as a rank's
+training ends, :mod:`.data_threads`), each patch installed once (:mod:`.patching`) and doing
 nothing unless the trainer trains with oss_adam. It calls :mod:`fairseq_oss.checkpoint`
 and :mod:`fairseq_oss.optim`; neither of them calls back.
 

@@ -5,7 +5,8 @@ cannot run (in one line, before a model is built or data read), dropping the ``o
 settings when another optimizer is named, and taking over
 ``--write-checkpoints-asynchronously``, so that every rank's saves go to the background
 (:mod:`.save_path`) and training ends only once the last one is complete. And ``--help``
-with ``--optimizer oss_adam``, which lists oss_adam's flags.
+with ``--optimizer oss_adam``, which lists oss_adam's flags. For every optimizer, each rank's
+``main`` is followed by the stop of fairseq's background batch threads (:mod:`.data_threads`).
 """
 import contextlib
 import functools
@@ -20,7 +21,7 @@ from omegaconf import OmegaConf
 from fairseq_oss.checkpoint import async_save
 from fairseq_oss.checkpoint.format import CheckpointError
 from fairseq_oss.integration import compat  # noqa: F401 - its launch fixes first: call_main is wrapped over them
-from fairseq_oss.integration import optimizer, save_path
+from fairseq_oss.integration import data_threads, optimizer, save_path
 from fairseq_oss.integration import patching
 from fairseq_oss.integration.patching import ORIGINAL
 
@@ -30,7 +31,9 @@ def call_main(cfg, main, **kwargs):
     ``--write-checkpoints-asynchronously``: fairseq's own mode needs iopath (without it,
     fairseq-train returns at once, having trained nothing), skips the copies and does not
     wait for the last save. Each rank runs :func:`train_with_async_saves`. A configuration
-    that oss_adam refuses (:func:`fairseq_oss.integration.optimizer.refusal`) exits here, in one line."""
+    that oss_adam refuses (:func:`fairseq_oss.integration.optimizer.refusal`) exits here, in one line.
+    And, whatever the optimizer, each rank stops fairseq's background batch threads once its
+    ``main`` ends (:mod:`.data_threads`: left running, they can abort the process as it exits)."""
     optimizer.drop_settings_of_oss_adam(cfg)
     problem = optimizer.refusal(cfg)
     if problem is not None:  # before any rank is spawned, model built or data read
@@ -39,6 +42,7 @@ def call_main(cfg, main, **kwargs):
     if OmegaConf.select(cfg, "optimizer._name") == "oss_adam" and ckpt.write_checkpoints_asynchronously:
         ckpt.write_checkpoints_asynchronously = False
         main = functools.partial(train_with_async_saves, main)
+    main = functools.partial(data_threads.stopping_background_loaders, main)  # any optimizer
     return ORIGINAL["call_main"](cfg, main, **kwargs)
 
 
