@@ -7,8 +7,9 @@ CPU launch fixes
 (:mod:`.compat`), and fairseq's save path (:mod:`.save_path`, with the ``--keep-*``
 rules of asynchronous saves, :mod:`.pruning`), load path (:mod:`.load_path`) and
 launcher (:mod:`.launcher`, which stops fairseq's background batch threads as a rank's
-training ends, :mod:`.data_threads`), each patch installed once (:mod:`.patching`) and doing
-nothing unless the trainer trains with oss_adam. It calls :mod:`fairseq_oss.checkpoint`
+training ends, :mod:`.data_threads`), each patch installed once (:mod:`.patching`) and,
+apart from the CPU launch fixes and that stop (any optimizer), doing nothing unless the
+trainer trains with oss_adam. It calls :mod:`fairseq_oss.checkpoint`
 and :mod:`fairseq_oss.optim`; neither of them calls back.
 
 Importing this package installs the plugin; :func:`fairseq_oss.register` does that.
