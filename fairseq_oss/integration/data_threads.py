@@ -13,10 +13,15 @@ checkpoints are done, at random (whenever the thread is inside an op as the inte
 ends). A forked rank leaves by ``os._exit``, which unwinds nothing; a single process, a
 spawned rank and a rank that torchrun started do not.
 
-:func:`stopping_background_loaders` runs a rank's ``main`` and then stops every such
-thread: each makes the batch it is on and stops, its queue emptied meanwhile so that it
-never blocks, before the interpreter ends.
+:func:`stop_background_loaders` stops every such thread: each makes the batch it is on and
+stops, its queue emptied meanwhile so that it never blocks. It runs at two points: after
+each rank's ``main`` (:func:`stopping_background_loaders`, which fairseq's launcher runs:
+in a spawned rank this comes before ``multiprocessing`` ends the loader's worker processes,
+which the thread may be waiting for), and at interpreter exit (``atexit``, registered on
+import: a process that trains without fairseq's launcher, such as a script that calls
+``fairseq_cli.train.main`` itself); the second finds nothing left where the first ran.
 """
+import atexit
 import logging
 import queue
 import threading
@@ -68,3 +73,6 @@ def stopping_background_loaders(main, cfg, **kwargs):
         return main(cfg, **kwargs)
     finally:
         stop_background_loaders()
+
+
+atexit.register(stop_background_loaders)

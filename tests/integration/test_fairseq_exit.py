@@ -97,6 +97,39 @@ def test_main_is_followed_by_the_stop_whether_it_returns_or_raises():
     assert not main.thread.is_alive()
 
 
+# A script that iterates fairseq's batches without fairseq's launcher, and ends while the
+# batch thread is inside a torch op; this package is imported with fairseq (its hook).
+WITHOUT_THE_LAUNCHER = """
+import sys, time, torch
+from fairseq.data import iterators
+
+class Batches:
+    def __len__(self):
+        return 1000
+
+    def __iter__(self):
+        a = torch.rand(64, 64)
+        for _ in range(1000):
+            end = time.monotonic() + 0.05
+            while time.monotonic() < end:
+                torch.mm(a, a)
+            yield a
+
+buffered = iterators.BufferedIterator(100, Batches())
+next(buffered)
+time.sleep(0.2)
+print("plugin imported:", "fairseq_oss.integration.data_threads" in sys.modules, flush=True)
+"""
+
+
+def test_a_process_that_ends_without_the_launcher_stops_the_thread_at_exit():
+    """The atexit stop: exit 0 (without it the interpreter ends the thread inside torch.mm
+    and the process aborts)."""
+    rc, out = attempt([sys.executable, "-c", WITHOUT_THE_LAUNCHER])
+    assert "plugin imported: True" in out, out[-3000:]
+    assert rc == 0 and "terminate called" not in out, (rc, out[-3000:])
+
+
 SLOW_BATCHES = ["--user-dir", os.path.join(ROOT, "tests", "plugins", "slow_batches"), "--task", "lm_slow_batches"]
 
 
