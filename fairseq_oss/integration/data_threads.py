@@ -1,4 +1,4 @@
-"""fairseq's background batch threads, stopped when a rank's training ends.
+"""fairseq's background batch threads, stopped when a rank's training ends (or its process).
 
 fairseq loads batches ahead of training on a daemon thread
 (``fairseq.data.iterators.BackgroundConsumer``, behind ``--data-buffer-size``, on by
@@ -15,7 +15,7 @@ spawned rank and a rank that torchrun started do not.
 
 :func:`stop_background_loaders` stops every such thread: each makes the batch it is on and
 stops, its queue emptied meanwhile so that it never blocks. It runs at two points: after
-each rank's ``main`` (:func:`stopping_background_loaders`, which fairseq's launcher runs:
+each rank's ``main`` (:func:`stopping_background_loaders`, which :mod:`.launcher` wraps it in:
 in a spawned rank this comes before ``multiprocessing`` ends the loader's worker processes,
 which the thread may be waiting for), and at interpreter exit (``atexit``, registered on
 import: a process that trains without fairseq's launcher, such as a script that calls
