@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/python -c "import matplotlib" 2>/dev/null \
-  || .venv/bin/python -m pip --disable-pip-version-check -q install -c constraints.txt matplotlib==3.11.2
+  || .venv/bin/python -m pip --disable-pip-version-check -q install -c constraints.txt matplotlib
 export OMP_NUM_THREADS=1
 exec .venv/bin/python -W ignore scripts/bench.py "$@"

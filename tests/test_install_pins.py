@@ -1,6 +1,6 @@
-"""The install is pinned whole: every package that requirements.txt's packages (and torch)
-pull in, at any depth, is pinned (in constraints.txt, or requirements.txt for its own) at
-the version installed here. A bump
+"""The install is pinned whole: every package that requirements.txt's packages, torch, and
+(where it is installed) scripts/bench.sh's matplotlib pull in, at any depth, is pinned (in
+constraints.txt, or in requirements.txt for its own) at the version installed here. A bump
 that brings a new dependency fails here until that dependency is pinned too, instead of a
 fresh machine installing whatever release is newest on the day (scripts/setup_env.sh)."""
 import importlib.metadata as md
@@ -31,6 +31,14 @@ def _pins(filename):
     return pins
 
 
+def _installed(name):
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
 def _dependencies(name):
     """The requirements of an installed distribution that apply here (markers evaluated,
     no extras asked for)."""
@@ -45,6 +53,8 @@ def test_every_package_the_install_pulls_in_is_pinned_at_its_installed_version()
     required = _pins("requirements.txt")
     pins = {**_pins("constraints.txt"), **required}
     roots = set(required) | {"torch"}
+    if _installed("matplotlib"):  # scripts/bench.sh's, where it has run
+        roots.add("matplotlib")
     seen, todo = set(), sorted(roots)
     while todo:
         name = todo.pop()
