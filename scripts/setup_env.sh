@@ -33,9 +33,9 @@ fi
 # setuptools' build/ keeps every module an earlier build had, and puts them in the wheel:
 # a module that moved or was removed would still be installed. Build from scratch.
 rm -rf build fairseq_oss.egg-info
+"${PIP[@]}" uninstall -y fairseq-oss >/dev/null 2>&1 || true
 # --no-build-isolation: built with this environment's setuptools (pinned in constraints.txt)
 # rather than the newest release on the index, which a build in isolation would fetch.
-"${PIP[@]}" uninstall -y fairseq-oss >/dev/null 2>&1 || true
 "${PIP[@]}" install --no-deps --no-build-isolation . 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -W ignore - <<'PY'
 import torch, fairseq_oss
