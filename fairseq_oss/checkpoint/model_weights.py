@@ -2,7 +2,9 @@
 
 Every data-parallel rank holds the same weights, so the ranks can share the writing of
 them as they share the Adam state's. :class:`ModelWeights` describes, the same on every
-rank, the records that the model's ``state_dict()`` becomes in the checkpoint:
+rank, the records that the model's ``state_dict()`` becomes in the checkpoint, and those of
+any other state dict of weights that every rank holds alike (fairseq's EMA model, each at
+its path in the checkpoint: :meth:`ModelWeights.of_parts`):
 
 * one record per storage, as ``torch.save`` writes them (tensors that share a storage,
   such as tied embeddings, share one record), float16 and bfloat16 ones as float32, as
@@ -11,7 +13,8 @@ rank, the records that the model's ``state_dict()`` becomes in the checkpoint:
   bytes cut into N runs of about equal length, at element bounds);
 * on rank 0, once the records are written, the state dict that stands in for the
   model's in the pickled checkpoint: :class:`~fairseq_oss.checkpoint.format.StreamedTensor`
-  placeholders that load as the model's tensors (:meth:`ModelWeights.state_dict`).
+  placeholders that load as the model's tensors (:meth:`ModelWeights.state_dict`), one
+  such state dict per part.
 
 Owns that layout, the bytes it reads from the model's tensors (copied to the CPU and cast
 a block at a time) and their snapshot for a background save. No collectives, no files.
@@ -20,13 +23,15 @@ import collections
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from fairseq_oss.checkpoint.format import RecordPlan, StorageRef, StreamedTensor
 
 logger = logging.getLogger(__name__)
+
+Path = Tuple[str, ...]  # where a state dict of weights lies in the checkpoint: ("extra_state", "ema")
 
 # fairseq.utils.move_to_cpu saves half-precision tensors as float32
 _SAVED_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -52,8 +57,12 @@ class _Record:
         return self.numel * self.itemsize
 
 
+MODEL = ("model",)  # the model's path in a fairseq checkpoint
+
+
 @dataclass(frozen=True)
 class _Entry:
+    part: int  # index into ModelWeights.paths
     name: str
     record: int
     storage_offset: int
@@ -70,45 +79,56 @@ class WeightsShell:
     keys: List[str]
     others: dict
     metadata: Optional[dict]
+    part: int = 0  # index into ModelWeights.paths
 
 
 class ModelWeights:
-    """The checkpoint records of a model state dict (see the module docstring). Build it
-    with :meth:`of` on every rank, from the state dict the trainer saves."""
+    """The checkpoint records of a model's state dict and of any other part of the weights
+    (see the module docstring). Build it with :meth:`of` or :meth:`of_parts` on every rank,
+    from the state dicts the trainer saves."""
 
-    def __init__(self, records: List[_Record], entries: List[_Entry]):
-        self.records, self.entries = records, entries
+    def __init__(self, records: List[_Record], entries: List[_Entry], paths: Sequence[Path] = (MODEL,)):
+        self.records, self.entries, self.paths = records, entries, list(paths)
         self.names: Optional[List[str]] = None  # "data/KEY" per record, on rank 0 once written
         self._frozen = None  # (rank, world_size, parts per record) of a snapshot
 
     @classmethod
     def of(cls, state_dict) -> Optional["ModelWeights"]:
-        """The layout of ``state_dict``'s tensors, or None where a tensor is not a plain
-        strided CPU or CUDA tensor (DTensor, quantized, sparse, ...): rank 0 then
-        pickles the model whole, as before."""
-        if not isinstance(state_dict, dict):
-            return None
+        """The layout of ``state_dict``'s tensors (the checkpoint's model), or None where a
+        tensor is not a plain strided CPU or CUDA tensor (DTensor, quantized, sparse, ...):
+        rank 0 then pickles the model whole, as before."""
+        return cls.of_parts({MODEL: state_dict})
+
+    @classmethod
+    def of_parts(cls, parts: Dict[Path, dict]) -> Optional["ModelWeights"]:
+        """The layout of several state dicts' tensors, each at its path in the checkpoint
+        (``("model",)``, ``("extra_state", "ema")``, ...), their records in that order; a
+        storage shared across them is one record, as ``torch.save`` writes it. None where
+        any tensor of any of them is not one it can describe: rank 0 then pickles them all."""
         records: List[_Record] = []
         entries: List[_Entry] = []
         index = {}
-        for name, t in state_dict.items():
-            if not torch.is_tensor(t):
-                continue
-            if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized
-                    or t.requires_grad or t.is_conj() or t.is_neg() or t.device.type not in ("cpu", "cuda")):
+        for part, state_dict in enumerate(parts.values()):
+            if not isinstance(state_dict, dict):
                 return None
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes(), str(t.device), t.dtype)
-            i = index.get(key)
-            if i is None:
-                if storage.nbytes() % t.element_size():
+            for name, t in state_dict.items():
+                if not torch.is_tensor(t):
+                    continue
+                if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized
+                        or t.requires_grad or t.is_conj() or t.is_neg() or t.device.type not in ("cpu", "cuda")):
                     return None
-                source = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                    storage, 0, (storage.nbytes() // t.element_size(),), (1,))
-                i = index[key] = len(records)
-                records.append(_Record(source, _SAVED_DTYPE.get(t.dtype, t.dtype)))
-            entries.append(_Entry(name, i, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
-        return cls(records, entries)
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes(), str(t.device), t.dtype)
+                i = index.get(key)
+                if i is None:
+                    if storage.nbytes() % t.element_size():
+                        return None
+                    source = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                        storage, 0, (storage.nbytes() // t.element_size(),), (1,))
+                    i = index[key] = len(records)
+                    records.append(_Record(source, _SAVED_DTYPE.get(t.dtype, t.dtype)))
+                entries.append(_Entry(part, name, i, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+        return cls(records, entries, parts.keys())
 
     @property
     def nbytes(self) -> int:
@@ -152,42 +172,45 @@ class ModelWeights:
         ]
         # the frozen copy keeps the layout, not the model's tensors
         frozen = ModelWeights([_Record(torch.empty(r.numel, dtype=r.dtype, device="meta"), r.dtype)
-                               for r in self.records], self.entries)
+                               for r in self.records], self.entries, self.paths)
         frozen._frozen = (rank, world_size, parts)
         return frozen
 
-    def shell(self, state_dict, copy_others=lambda x: x) -> Optional[WeightsShell]:
-        """``state_dict`` (the model's entry of the checkpoint about to be pickled)
-        without its tensors, if its tensors are the ones this layout describes (same
-        names in the same order, shapes and saved dtypes); else None, logged: rank 0
-        then pickles them itself (the records written stay in the file, unused)."""
-        reason = self._mismatch(state_dict)
+    def shell(self, state_dict, copy_others=lambda x: x, part: int = 0) -> Optional[WeightsShell]:
+        """``state_dict`` (part ``part`` of the checkpoint about to be pickled: the model's
+        entry by default) without its tensors, if its tensors are the ones this layout
+        describes (same names in the same order, shapes and saved dtypes); else None,
+        logged: rank 0 then pickles them itself (the records written stay in the file, unused)."""
+        reason = self._mismatch(state_dict, part)
         if reason is not None:
-            logger.warning("oss_adam: the model's weights are written again by rank 0 (%s)", reason)
+            logger.warning("oss_adam: the checkpoint's %s is written again by rank 0 (%s)",
+                           ".".join(self.paths[part]), reason)
             return None
         others = collections.OrderedDict((k, v) for k, v in state_dict.items() if not torch.is_tensor(v))
         metadata = getattr(state_dict, "_metadata", None)
-        return WeightsShell(list(state_dict.keys()), copy_others(others), copy.deepcopy(metadata))
+        return WeightsShell(list(state_dict.keys()), copy_others(others), copy.deepcopy(metadata), part)
 
-    def _mismatch(self, state_dict) -> Optional[str]:
+    def _mismatch(self, state_dict, part: int) -> Optional[str]:
+        where = ".".join(self.paths[part])
         if not isinstance(state_dict, dict):
-            return f"the checkpoint's model is a {type(state_dict).__name__}"
+            return f"the checkpoint's {where} is a {type(state_dict).__name__}"
         tensors = [(k, v) for k, v in state_dict.items() if torch.is_tensor(v)]
-        if [k for k, _ in tensors] != [e.name for e in self.entries]:
-            return "the checkpoint's model has other entries than the model's state dict"
-        for (k, t), e in zip(tensors, self.entries):
+        mine = [e for e in self.entries if e.part == part]
+        if [k for k, _ in tensors] != [e.name for e in mine]:
+            return f"the checkpoint's {where} has other entries than the state dict described"
+        for (k, t), e in zip(tensors, mine):
             want = self.records[e.record].dtype
             if tuple(t.shape) != e.shape or t.dtype != want:
                 return f"{k} is {t.dtype} {tuple(t.shape)} in the checkpoint, {want} {e.shape} in the records"
         return None
 
     def state_dict(self, shell: WeightsShell) -> "collections.OrderedDict":
-        """The model's state dict for the pickle: each tensor a placeholder that views its
-        written record (rank 0, after the records were written)."""
+        """The state dict of ``shell``'s part for the pickle: each tensor a placeholder that
+        views its written record (rank 0, after the records were written)."""
         if self.names is None:
             raise RuntimeError("the model's records were not written")
         refs = [StorageRef(name.split("/", 1)[1], r.dtype, r.numel) for name, r in zip(self.names, self.records)]
-        by_name = {e.name: e for e in self.entries}
+        by_name = {e.name: e for e in self.entries if e.part == shell.part}
         out = collections.OrderedDict()
         for k in shell.keys:
             e = by_name.get(k)
@@ -199,21 +222,48 @@ class ModelWeights:
 
 
 def with_shell(obj, weights: Optional[ModelWeights], copy_others=lambda x: x):
-    """``obj`` (the checkpoint about to be pickled, on rank 0) with its model replaced by
-    the :class:`WeightsShell` of the written weights, where they are the model's (else
-    ``obj``, logged by :meth:`ModelWeights.shell`)."""
-    if weights is None or not isinstance(obj, dict) or "model" not in obj:
+    """``obj`` (the checkpoint about to be pickled, on rank 0) with each part of the written
+    weights (its model, its EMA, ...) replaced by its :class:`WeightsShell`, where the part
+    holds the tensors described (else left, logged by :meth:`ModelWeights.shell`)."""
+    if weights is None or not isinstance(obj, dict):
         return obj
-    shell = weights.shell(obj["model"], copy_others)
-    return obj if shell is None else dict(obj, model=shell)
+    for part, path in enumerate(weights.paths):
+        state_dict = _get(obj, path)
+        if state_dict is not _ABSENT:
+            shell = weights.shell(state_dict, copy_others, part)
+            if shell is not None:
+                obj = _replaced(obj, path, shell)
+    return obj
 
 
 def with_placeholders(obj, weights: Optional[ModelWeights]):
-    """``obj`` (a checkpoint) with the :class:`WeightsShell` that stands in for its model
-    replaced by the written records' placeholders (rank 0, once they are written)."""
-    if isinstance(obj, dict) and isinstance(obj.get("model"), WeightsShell):
-        return dict(obj, model=weights.state_dict(obj["model"]))
+    """``obj`` (a checkpoint) with each :class:`WeightsShell` that stands in for a part of
+    its weights replaced by the written records' placeholders (rank 0, once they are written)."""
+    if weights is None or not isinstance(obj, dict):
+        return obj
+    for path in weights.paths:
+        shell = _get(obj, path)
+        if isinstance(shell, WeightsShell):
+            obj = _replaced(obj, path, weights.state_dict(shell))
     return obj
+
+
+_ABSENT = object()
+
+
+def _get(obj, path: Path):
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return _ABSENT
+        obj = obj[key]
+    return obj
+
+
+def _replaced(obj: dict, path: Path, value) -> dict:
+    """A shallow copy of ``obj`` with ``value`` at ``path`` (the dicts along it copied too)."""
+    out = copy.copy(obj)
+    out[path[0]] = value if len(path) == 1 else _replaced(obj[path[0]], path[1:], value)
+    return out
 
 
 def _cut(total: int, k: int, n: int) -> int:

@@ -6,13 +6,14 @@ tensors still sharing one storage; the ranks' shares must tile every record exac
 whatever the world size, for the parallel write to leave no hole.
 """
 import collections
+import copy
 import logging
 
 import pytest
 import torch
 
 from fairseq_oss.checkpoint.format import CheckpointWriter
-from fairseq_oss.checkpoint.model_weights import ModelWeights, with_placeholders
+from fairseq_oss.checkpoint.model_weights import ModelWeights, WeightsShell, with_placeholders, with_shell
 from fairseq_oss.checkpoint.save_records import stream_plans
 
 
@@ -126,3 +127,72 @@ def test_tensors_it_cannot_describe_leave_the_model_to_rank0():
     assert ModelWeights.of({"w": torch.nn.Parameter(torch.ones(2))}) is None  # keeps requires_grad
     assert ModelWeights.of({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}) is None
     assert ModelWeights.of({"s": torch.ones(2).to_sparse()}) is None
+
+
+EMA, EMA_FP32 = ("extra_state", "ema"), ("extra_state", "ema_fp32_params")
+
+
+def ema_parts():
+    """A model, its EMA (fairseq's deep copy) and the EMA's float32 copies, which fairseq's
+    EMA makes by ``t.float()``: for a float32 tensor, the EMA's own tensor (one storage)."""
+    model = state_dict()
+    ema = copy.deepcopy(model)  # tied tensors stay tied
+    ema["embed.weight"].add_(1)
+    ema["big.weight"].add_(1)
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in ema.items() if torch.is_tensor(v)}
+    return {("model",): model, EMA: ema, EMA_FP32: fp32}
+
+
+def test_parts_at_their_paths_are_shelled_and_load_as_fairseqs_save(tmp_path):
+    parts = ema_parts()
+    w = ModelWeights.of_parts(parts)
+    assert w.paths == [("model",), EMA, EMA_FP32]
+    # the float32 copies that are the EMA's own tensors add no record
+    # the model's 6; the EMA's 5 (its empty tensor is the model's empty record: no bytes); float32
+    # copies of its two half-precision tensors
+    assert len(w.records) == 6 + 5 + 2
+    saved = {k: saved_like_fairseq(v) for k, v in parts.items()}
+    ckpt = {"model": saved[("model",)], "n": 1,
+            "extra_state": {"metrics": {"loss": 2.5}, "ema": saved[EMA], "ema_fp32_params": saved[EMA_FP32]}}
+    shelled = with_shell(ckpt, w)
+    assert shelled["extra_state"]["metrics"] == {"loss": 2.5} and ckpt["extra_state"]["ema"] is saved[EMA]
+    assert not [t for t in _tensors_in(shelled)]  # rank 0 pickles none of them
+    path = str(tmp_path / "w.pt")
+    writer = CheckpointWriter(str(tmp_path))
+    w.names = stream_plans(writer, w.plans(0, 1))
+    writer.finish(with_placeholders(shelled, w), path)
+    got = torch.load(path, weights_only=True)
+    for name, where in (("model", ("model",)), ("ema", EMA), ("ema_fp32_params", EMA_FP32)):
+        part = got["model"] if name == "model" else got["extra_state"][name]
+        assert list(part) == list(saved[where]), name
+        for k, v in saved[where].items():
+            if torch.is_tensor(v):
+                assert part[k].dtype == v.dtype and torch.equal(part[k], v), (name, k)
+    assert got["extra_state"]["ema"]._metadata == parts[EMA]._metadata
+    ema, fp32 = got["extra_state"]["ema"], got["extra_state"]["ema_fp32_params"]
+    assert fp32["big.weight"].data_ptr() == ema["big.weight"].data_ptr()  # one storage, as torch.save keeps it
+    assert got["n"] == 1 and got["extra_state"]["metrics"] == {"loss": 2.5}
+
+
+def _tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+
+
+def test_a_part_absent_or_unlike_its_layout_is_left_to_rank0(caplog):
+    parts = ema_parts()
+    w = ModelWeights.of_parts(parts)
+    saved = {k: saved_like_fairseq(v) for k, v in parts.items()}
+    no_ema = {"model": saved[("model",)], "extra_state": {}}
+    assert isinstance(with_shell(no_ema, w)["model"], WeightsShell) and with_shell(no_ema, w)["extra_state"] == {}
+    other = dict(saved[EMA])
+    del other["version"]
+    with caplog.at_level(logging.WARNING):
+        out = with_shell({"model": saved[("model",)], "extra_state": {"ema": other}}, w)
+    assert "extra_state.ema is written again by rank 0" in caplog.text
+    assert isinstance(out["model"], WeightsShell) and out["extra_state"]["ema"] is other
+    # any part it cannot describe leaves every part to rank 0, as a model it cannot describe does
+    assert ModelWeights.of_parts({("model",): parts[("model",)], EMA: {"s": torch.ones(2).to_sparse()}}) is None
