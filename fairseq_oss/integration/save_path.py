@@ -10,7 +10,8 @@ over. A save, in fairseq's order:
    :class:`~fairseq_oss.checkpoint.format.CheckpointWriter` in the save directory (if it
    cannot, every rank raises its error); then
    :func:`~fairseq_oss.checkpoint.save_optimizer_state` writes the Adam state and the
-   model's weights into it: every rank its own part if every rank sees the file, else
+   model's weights (and the EMA model's, ``--store-ema``: :func:`weight_parts`) into it:
+   every rank its own part if every rank sees the file, else
    (or with ``--oss-no-shared-fs``) streamed to rank 0 one bucket at a time. Same bytes
    either way. The optimizer's next ``state_dict()`` is the placeholders of what was
    written (:func:`fairseq_oss.integration.optimizer.prepare_state_dict`).
@@ -38,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from fairseq import checkpoint_utils
@@ -48,7 +49,7 @@ from fairseq_oss import exit_handlers
 from fairseq_oss.checkpoint import async_save, model_weights
 from fairseq_oss.checkpoint.files import TemporaryFile, clone_or_copy
 from fairseq_oss.checkpoint.format import CheckpointError, CheckpointWriter
-from fairseq_oss.checkpoint.model_weights import ModelWeights
+from fairseq_oss.checkpoint.model_weights import MODEL, ModelWeights
 from fairseq_oss.checkpoint.optimizer_state import save_optimizer_state
 from fairseq_oss.checkpoint.sharded_tensors import has_dtensor, register_sharded_tensor_hooks
 from fairseq_oss.integration import pruning
@@ -147,12 +148,26 @@ def _open_writer(trainer, group, world_size):
 
 
 def model_weights_of(trainer) -> Optional[ModelWeights]:
-    """The records of what ``Trainer.state_dict()`` saves as the model, on every rank, so
-    that every rank writes 1/N of them; None where rank 0 must pickle the model itself
-    (DTensors: their state-dict hooks gather, in ``Trainer.state_dict()``)."""
+    """The records of what ``Trainer.state_dict()`` saves as weights (:func:`weight_parts`),
+    on every rank, so that every rank writes 1/N of them; None where rank 0 must pickle
+    them itself (DTensors: their state-dict hooks gather, in ``Trainer.state_dict()``)."""
     if has_dtensor(trainer.get_model()):
         return None
-    return ModelWeights.of(trainer.model.state_dict())
+    return ModelWeights.of_parts(weight_parts(trainer))
+
+
+def weight_parts(trainer) -> Dict[Tuple[str, ...], dict]:
+    """What fairseq's ``Trainer.state_dict()`` saves of the weights that every rank holds
+    alike, by path in the checkpoint: the model's, and with ``--store-ema`` the EMA model's
+    and (``--ema-fp32``) its float32 copies, which fairseq's EMA computes on every rank from
+    the same parameters. The same tensors, in the same order, as ``state_dict()`` puts there."""
+    parts = {MODEL: trainer.model.state_dict()}
+    ema = trainer.cfg.ema
+    if ema.store_ema:
+        parts[("extra_state", "ema")] = trainer.ema.get_model().state_dict()
+        if ema.ema_fp32:
+            parts[("extra_state", "ema_fp32_params")] = trainer.ema.fp32_params
+    return parts
 
 
 def _start_async_save(trainer, inner, group, world_size):

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from fairseq_oss.checkpoint.index import CheckpointIndex
 from fairseq_oss.integration import rank_start
 
 from checks import assert_close_training_state, assert_same_training_state, load
@@ -87,29 +88,43 @@ def test_clipping_that_acts_and_update_freq_3(data, base, tmp_path):
 def test_ema_and_validation_right_after_steps_equal_adams(data, tmp_path):
     """At 2 ranks, what reads the parameters right after a step, while oss_adam's exchange
     of them is still in flight (it runs behind the next forward): fairseq's EMA (built as a
-    deep copy of the model after the first step, then updated after each one) and
-    validation every 2 updates. Both see adam's bits: the EMA in the checkpoint, the
-    validation losses in the log."""
-    extra = ["--store-ema", "--ema-decay", "0.9", "--ema-start-update", "0", "--validate-interval-updates", "2"]
+    deep copy of the model after the first step, then updated after each one; its float32
+    copies too, --ema-fp32) and validation every 2 updates. Both see adam's bits: the EMA in
+    the checkpoint, saved synchronously and asynchronously, the validation losses in the log.
+    The EMA's tensors are written as the model's are, by every rank (records that precede
+    the pickle in the file: rank 0's pickling writes its own tensors after it)."""
+    extra = ["--store-ema", "--ema-fp32", "--ema-decay", "0.9", "--ema-start-update", "0",
+             "--validate-interval-updates", "2"]
     common = [c for c in COMMON if c != "--disable-validation"]
     dirs, logs = {}, {}
-    for opt in ("adam", "oss_adam"):
-        dirs[opt] = str(tmp_path / opt)
-        os.makedirs(dirs[opt])
-        logs[opt] = run([os.path.join(BIN, "fairseq-train"), data, *common, "--optimizer", opt, "--save-dir",
-                         dirs[opt], "--max-update", str(FIRST), "--distributed-world-size", "2", *extra],
-                        os.path.join(dirs[opt], "train.log"))
-    assert "gradients reduce-scattered" in logs["oss_adam"]
-    valid = {opt: re.findall(r"valid on 'valid' subset \| loss ([\d.]+)", log) for opt, log in logs.items()}
-    assert len(valid["adam"]) >= FIRST // 2 and valid["oss_adam"] == valid["adam"]
-    assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
-    got, want = (load(ckpt(dirs[opt]))["extra_state"]["ema"] for opt in ("oss_adam", "adam"))
-    assert got.keys() == want.keys() and len(want) > 0
-    for name, t in want.items():
-        assert torch.equal(got[name], t), name
+    for run_name, opt, more in (("adam", "adam", []), ("oss_adam", "oss_adam", []), ("async", "oss_adam", ASYNC)):
+        dirs[run_name] = str(tmp_path / run_name)
+        os.makedirs(dirs[run_name])
+        logs[run_name] = run([os.path.join(BIN, "fairseq-train"), data, *common, "--optimizer", opt, "--save-dir",
+                              dirs[run_name], "--max-update", str(FIRST), "--distributed-world-size", "2", *extra,
+                              *more], os.path.join(dirs[run_name], "train.log"))
+    want = load(ckpt(dirs["adam"]))["extra_state"]
+    assert len(want["ema"]) > 0 and want["ema_fp32_params"].keys() == want["ema"].keys()
     # The EMA moved away from the model: it averaged the steps it was given.
     model = load(ckpt(dirs["adam"]))["model"]
-    assert any(not torch.equal(model[name], t) for name, t in want.items() if t.is_floating_point())
+    assert any(not torch.equal(model[name], t) for name, t in want["ema"].items() if t.is_floating_point())
+    valid = {name: re.findall(r"valid on 'valid' subset \| loss ([\d.]+)", log) for name, log in logs.items()}
+    assert len(valid["adam"]) >= FIRST // 2
+    for run_name in ("oss_adam", "async"):
+        assert "gradients reduce-scattered" in logs[run_name]
+        assert "written again by rank 0" not in logs[run_name]
+        assert valid[run_name] == valid["adam"]
+        assert_same_training_state(ckpt(dirs[run_name]), ckpt(dirs["adam"]))
+        got = load(ckpt(dirs[run_name]))["extra_state"]
+        for part in ("ema", "ema_fp32_params"):
+            assert got[part].keys() == want[part].keys()
+            for name, t in want[part].items():
+                assert torch.equal(got[part][name], t), (part, name)
+        index = CheckpointIndex(ckpt(dirs[run_name]))
+        pickle_at = index.reader.record_offset("data.pkl")
+        for part in ("ema", "ema_fp32_params"):
+            records = index.records_of(index.obj["extra_state"][part])
+            assert records and all(r.offset < pickle_at for r in records.values()), part
 
 
 READS_PLUGIN = os.path.join(ROOT, "tests", "plugins", "reads")
