@@ -15,9 +15,11 @@ def summarize(index: CheckpointIndex) -> dict:
     obj = index.obj if isinstance(index.obj, dict) else {}
     out = {"file": index.path, "file_bytes": index.size}
     out["model"] = _tensors_summary(index, obj.get("model"))
+    extra = obj.get("extra_state") if isinstance(obj.get("extra_state"), dict) else {}
+    if isinstance(extra.get("ema"), dict):  # --store-ema
+        out["ema"] = _ema_summary(index, extra)
     out["optimizer"] = _optimizer_summary(index, obj)
     history = (obj.get("optimizer_history") or [{}])[-1]
-    extra = obj.get("extra_state") or {}
     cfg = obj.get("cfg") if isinstance(obj.get("cfg"), dict) else {}
     args = obj.get("args")
     dt = cfg.get("distributed_training") or {}
@@ -55,6 +57,19 @@ def _tensors_summary(index, tree) -> dict:
         "bytes_by_dtype": dict(dtypes),
         "largest": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for n, t in largest],
     }
+
+
+def _ema_summary(index, extra) -> dict:
+    """fairseq's EMA model (``--store-ema``), and its float32 copies (``--ema-fp32``): those
+    add only the storages that the EMA's own tensors do not already hold (a float32 model's
+    EMA is its own float32 copy)."""
+    out = _tensors_summary(index, extra["ema"])
+    copies = extra.get("ema_fp32_params")
+    if isinstance(copies, dict):
+        own = index.records_of(extra["ema"])
+        more = [r for name, r in index.records_of(copies).items() if name not in own]
+        out["fp32_copies"] = {"tensors": len(list(index.tensors(copies))), "bytes": sum(r.nbytes for r in more)}
+    return out
 
 
 def _optimizer_summary(index, obj) -> dict:
@@ -111,6 +126,15 @@ def run(args) -> int:
                     header=("largest tensors", "shape", "dtype"))
     else:
         print("  model:       none")
+    if "ema" in summary:
+        e = summary["ema"]
+        dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in e.get("bytes_by_dtype", {}).items())
+        line = (f"  ema:         {e.get('parameters', 0):,} values in {e['tensors']} tensors, "
+                f"{human_bytes(e.get('bytes', 0))}" + (f" ({dtypes})" if dtypes else ""))
+        if "fp32_copies" in e:
+            c = e["fp32_copies"]
+            line += f"; float32 copies (--ema-fp32): {c['tensors']} tensors, {human_bytes(c['bytes'])} more"
+        print(line)
     if "entries" in o:
         keys = ", ".join(f"{k} {human_bytes(v)}" for k, v in o["bytes_by_key"].items())
         print(f"  optimizer:   {o['name']}, {o['entries']} entries, {human_bytes(o['bytes'])} ({keys}), "

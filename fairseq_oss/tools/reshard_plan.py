@@ -35,12 +35,15 @@ def plan(index: CheckpointIndex, world_size: int, bucket_mb: float) -> dict:
     bucket_size.check_bucket_count(bucket_count(specs, world_size, bucket_numel),
                                    sum(s.numel for s in specs) * itemsize, bucket_mb, BUCKET_FLAG)
     layout = partition(specs, world_size, bucket_numel)
-    model_bytes = sum(r.nbytes for r in index.records_of(obj.get("model") or {}).values())
+    model = index.records_of(obj.get("model") or {})
+    model_bytes = sum(r.nbytes for r in model.values())
+    ema_bytes = sum(r.nbytes for name, r in _ema_records(index, obj).items() if name not in model)
     ranks = []
     for r in range(world_size):
         state_bytes = layout.shard_numel(r) * itemsize * len(STATE_KEYS)
         ranks.append({"rank": r, "adam_state_bytes": state_bytes, "reads_at_resume_bytes": state_bytes,
-                      "model_bytes": model_bytes, "total_bytes": state_bytes + model_bytes})
+                      "model_bytes": model_bytes, "ema_bytes": ema_bytes,
+                      "total_bytes": state_bytes + model_bytes + ema_bytes})
     shares = [x["adam_state_bytes"] for x in ranks]
     mean = sum(shares) / len(shares)
     return {"file": index.path, "world_size": world_size, "bucket_bytes": bucket_bytes,
@@ -48,6 +51,17 @@ def plan(index: CheckpointIndex, world_size: int, bucket_mb: float) -> dict:
             "parameters_without_state": unknown, "ranks": ranks,
             "balance": (max(shares) / mean) if mean else 1.0,
             "full_adam_state_bytes": sum(shares)}
+
+
+def _ema_records(index: CheckpointIndex, obj: dict) -> dict:
+    """The records of fairseq's EMA model and its float32 copies (``--store-ema``,
+    ``--ema-fp32``), which every rank restores and holds when it resumes."""
+    extra = obj.get("extra_state") if isinstance(obj.get("extra_state"), dict) else {}
+    records = {}
+    for key in ("ema", "ema_fp32_params"):
+        if isinstance(extra.get(key), dict):
+            records.update(index.records_of(extra[key]))
+    return records
 
 
 def run(args) -> int:
@@ -60,11 +74,14 @@ def run(args) -> int:
         raise CheckpointError(str(e)) from None
     print(f"{p['file']}: resumed by oss_adam on {p['world_size']} rank(s), {p['buckets']} bucket(s) of "
           f"{human_bytes(p['bucket_bytes'])}")
+    ema = any(x["ema_bytes"] for x in p["ranks"])
     print(f"  full Adam state {human_bytes(p['full_adam_state_bytes'])}; every rank also holds the model "
-          "(its weights as the file stores them: tied tensors once)")
+          f"{'and its EMA ' if ema else ''}(its weights as the file stores them: tied tensors once)")
     print_table([(x["rank"], human_bytes(x["adam_state_bytes"]), human_bytes(x["reads_at_resume_bytes"]),
-                  human_bytes(x["model_bytes"]), human_bytes(x["total_bytes"])) for x in p["ranks"]],
-                header=("rank", "Adam state", "reads at resume", "model weights", "total"), indent=2)
+                  human_bytes(x["model_bytes"]), *([human_bytes(x["ema_bytes"])] if ema else []),
+                  human_bytes(x["total_bytes"])) for x in p["ranks"]],
+                header=("rank", "Adam state", "reads at resume", "model weights", *(["EMA"] if ema else []), "total"),
+                indent=2)
     print(f"  balance (largest / mean Adam state): {p['balance']:.4f}")
     if p["parameters_without_state"]:
         print(f"  {p['parameters_without_state']} parameter(s) have no state yet (never stepped): "

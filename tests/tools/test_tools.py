@@ -342,3 +342,41 @@ def test_every_command_and_argument_is_described():
             assert action.help, (name, action.dest)
             if action.dest in ("file", "files"):
                 assert action.metavar == "FILE", name
+
+
+def test_inspect_and_reshard_plan_count_the_ema(tmp_path):
+    """--store-ema's EMA model is reported beside the model, and its --ema-fp32 copies add
+    only the storages that the EMA's own tensors do not hold (a float32 tensor's copy is the
+    tensor itself); every rank holds the EMA at resume, so reshard-plan counts it per rank."""
+    import json
+
+    embed, bias = torch.randn(100, 8), torch.randn(8)
+    model = {"embed.weight": embed, "out.weight": embed, "bias": bias}
+    ema_embed, ema_half = torch.randn(100, 8), torch.randn(8).half()  # the EMA of a half-precision bias
+    ema = {"embed.weight": ema_embed, "out.weight": ema_embed, "bias": ema_half}
+    copies = {"embed.weight": ema_embed, "out.weight": ema_embed, "bias": ema_half.float()}
+    state = {i: {"step": 1, "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)} for i, n in enumerate((800, 8))}
+    ckpt = {"model": model, "optimizer_history": [{"num_updates": 1, "optimizer_name": "FairseqAdam"}],
+            "last_optimizer_state": {"state": state, "param_groups": [{"lr": 1.0, "params": [0, 1]}]},
+            "extra_state": {"ema": ema, "ema_fp32_params": copies}}
+    path, plain = str(tmp_path / "ema.pt"), str(tmp_path / "plain.pt")
+    torch.save(ckpt, path)
+    torch.save({k: v for k, v in ckpt.items() if k != "extra_state"}, plain)
+    rc, out, err = tool("inspect", path, "--json")
+    assert rc == 0, err
+    got = json.loads(out)["ema"]
+    assert got["tensors"] == 3 and got["storages"] == 2 and got["parameters"] == 808
+    assert got["bytes"] == 800 * 4 + 8 * 2 and got["fp32_copies"] == {"tensors": 3, "bytes": 8 * 4}
+    rc, text, _ = tool("inspect", path)
+    assert "ema:         808 values in 3 tensors, 3.1 KiB" in text and "float32 copies (--ema-fp32): 3 tensors, 32 B more" in text, text
+    rc, out, _ = tool("inspect", plain, "--json")
+    assert rc == 0 and "ema" not in json.loads(out)
+    from fairseq_oss.checkpoint.index import CheckpointIndex
+    from fairseq_oss.tools.reshard_plan import plan
+
+    rank = plan(CheckpointIndex(path), 2, 1.0)["ranks"][1]
+    assert rank["model_bytes"] == 808 * 4 and rank["ema_bytes"] == 800 * 4 + 8 * 2 + 8 * 4
+    assert rank["total_bytes"] == rank["adam_state_bytes"] + rank["model_bytes"] + rank["ema_bytes"]
+    assert plan(CheckpointIndex(plain), 2, 1.0)["ranks"][1]["ema_bytes"] == 0
+    rc, text, _ = tool("reshard-plan", path, "--world-size", "2")
+    assert rc == 0 and "the model and its EMA" in text and "EMA" in text.splitlines()[2], text
