@@ -9,8 +9,11 @@ its path in the checkpoint: :meth:`ModelWeights.of_parts`):
 * one record per storage, as ``torch.save`` writes them (tensors that share a storage,
   such as tied embeddings, share one record), float16 and bfloat16 ones as float32, as
   fairseq's ``utils.move_to_cpu`` saves them;
-* which elements of them rank r of N writes (:meth:`ModelWeights.share`: the records'
-  bytes cut into N runs of about equal length, at element bounds);
+* which elements of them rank r of N writes (:meth:`ModelWeights.share`: the bytes of
+  the records that every rank holds alike, the parameters', cut into N runs of about equal
+  length, at element bounds; a record that may differ between ranks, a buffer such as
+  BatchNorm's running statistics, which each rank updates from its own batches, written
+  whole by rank 0, whose values fairseq saves);
 * on rank 0, once the records are written, the state dict that stands in for the
   model's in the pickled checkpoint: :class:`~fairseq_oss.checkpoint.format.StreamedTensor`
   placeholders that load as the model's tensors (:meth:`ModelWeights.state_dict`), one
@@ -32,6 +35,7 @@ from fairseq_oss.checkpoint.format import RecordPlan, StorageRef, StreamedTensor
 logger = logging.getLogger(__name__)
 
 Path = Tuple[str, ...]  # where a state dict of weights lies in the checkpoint: ("extra_state", "ema")
+Alike = Callable[[Path, str, torch.Tensor], bool]  # whether every rank holds that entry's values alike
 
 # fairseq.utils.move_to_cpu saves half-precision tensors as float32
 _SAVED_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -43,6 +47,7 @@ _ALIGN = 4096  # runs start at multiples of this many bytes of the records' conc
 class _Record:
     source: torch.Tensor  # 1-D: the whole storage, in its tensors' dtype (on their device)
     dtype: torch.dtype  # in the file
+    alike: bool = True  # every rank holds the same values (else rank 0 writes it whole)
 
     @property
     def numel(self) -> int:
@@ -100,15 +105,18 @@ class ModelWeights:
         return cls.of_parts({MODEL: state_dict})
 
     @classmethod
-    def of_parts(cls, parts: Dict[Path, dict]) -> Optional["ModelWeights"]:
+    def of_parts(cls, parts: Dict[Path, dict], alike: Optional[Alike] = None) -> Optional["ModelWeights"]:
         """The layout of several state dicts' tensors, each at its path in the checkpoint
         (``("model",)``, ``("extra_state", "ema")``, ...), their records in that order; a
         storage shared across them is one record, as ``torch.save`` writes it. None where
-        any tensor of any of them is not one it can describe: rank 0 then pickles them all."""
-        records: List[_Record] = []
+        any tensor of any of them is not one it can describe: rank 0 then pickles them all.
+        ``alike(path, name, tensor)``: whether every rank holds that tensor's values alike
+        (default: every tensor); a record with any tensor that is not is rank 0's to write."""
+        sources: List[Tuple[torch.Tensor, torch.dtype]] = []
+        same: List[bool] = []
         entries: List[_Entry] = []
         index = {}
-        for part, state_dict in enumerate(parts.values()):
+        for part, (path, state_dict) in enumerate(parts.items()):
             if not isinstance(state_dict, dict):
                 return None
             for name, t in state_dict.items():
@@ -125,9 +133,12 @@ class ModelWeights:
                         return None
                     source = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                         storage, 0, (storage.nbytes() // t.element_size(),), (1,))
-                    i = index[key] = len(records)
-                    records.append(_Record(source, _SAVED_DTYPE.get(t.dtype, t.dtype)))
+                    i = index[key] = len(sources)
+                    sources.append((source, _SAVED_DTYPE.get(t.dtype, t.dtype)))
+                    same.append(True)
+                same[i] = same[i] and (alike is None or bool(alike(path, name, t)))
                 entries.append(_Entry(part, name, i, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+        records = [_Record(source, dtype, a) for (source, dtype), a in zip(sources, same)]
         return cls(records, entries, parts.keys())
 
     @property
@@ -136,12 +147,16 @@ class ModelWeights:
 
     def share(self, rank: int, world_size: int) -> List[List[Tuple[int, int]]]:
         """Per record, the element ranges ``[start, end)`` that ``rank`` of ``world_size``
-        writes. The ranks' shares tile every record exactly."""
-        total = self.nbytes
+        writes: of the records that every rank holds alike, about 1/N of their bytes; the
+        others, whole, on rank 0. The ranks' shares tile every record exactly."""
+        total = sum(r.nbytes for r in self.records if r.alike)
         lo = _cut(total, rank, world_size)
         hi = _cut(total, rank + 1, world_size)
         out, at = [], 0
         for r in self.records:
+            if not r.alike:
+                out.append([(0, r.numel)] if rank == 0 and r.numel else [])
+                continue
             size = r.itemsize
             start = min(max(lo - at, 0) // size, r.numel)
             end = min(max(hi - at, 0) // size, r.numel)
@@ -171,7 +186,7 @@ class ModelWeights:
             for i, (r, ranges) in enumerate(zip(self.records, self.share(rank, world_size)))
         ]
         # the frozen copy keeps the layout, not the model's tensors
-        frozen = ModelWeights([_Record(torch.empty(r.numel, dtype=r.dtype, device="meta"), r.dtype)
+        frozen = ModelWeights([_Record(torch.empty(r.numel, dtype=r.dtype, device="meta"), r.dtype, r.alike)
                                for r in self.records], self.entries, self.paths)
         frozen._frozen = (rank, world_size, parts)
         return frozen

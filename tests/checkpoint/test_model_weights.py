@@ -51,20 +51,26 @@ def test_records_are_one_per_storage_with_half_precision_as_float32():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
-def test_shares_tile_every_record(world_size):
-    """Every element of every record is written by exactly one rank, and no rank writes
-    more than its 1/N of the bytes plus the alignment and one element."""
+@pytest.mark.parametrize("buffers", [(), ("t2", "t4")])
+def test_shares_tile_every_record(world_size, buffers):
+    """Every element of every record is written by exactly one rank; no rank writes more
+    than its 1/N of the bytes that every rank holds alike plus the alignment and one
+    element, and rank 0 also writes, whole, the records that ranks may hold differently."""
     sd = collections.OrderedDict((f"t{i}", torch.zeros(n, dtype=dt)) for i, (n, dt) in enumerate(
         [(1, torch.int8), (12345, torch.float32), (7, torch.float16), (0, torch.float32), (99999, torch.int64),
          (3, torch.bfloat16), (4097, torch.uint8)]))
-    w = ModelWeights.of(sd)
+    w = ModelWeights.of_parts({("model",): sd}, alike=lambda path, name, t: name not in buffers)
+    assert [not r.alike for r in w.records] == [f"t{i}" in buffers for i in range(len(sd))]
+    alike = sum(r.nbytes for r in w.records if r.alike)
     covered = [[] for _ in w.records]
     for rank in range(world_size):
         mine = 0
         for i, ranges in enumerate(w.share(rank, world_size)):
             covered[i].extend(ranges)
             mine += sum(b - a for a, b in ranges) * w.records[i].itemsize
-        assert mine <= w.nbytes / world_size + 4096 + 8 * len(w.records)
+            if not w.records[i].alike:
+                assert ranges == ([(0, w.records[i].numel)] if rank == 0 else [])
+        assert mine <= alike / world_size + 4096 + 8 * len(w.records) + (w.nbytes - alike if rank == 0 else 0)
     for r, ranges in zip(w.records, covered):
         at = 0
         for a, b in sorted(ranges):
@@ -196,3 +202,15 @@ def test_a_part_absent_or_unlike_its_layout_is_left_to_rank0(caplog):
     assert isinstance(out["model"], WeightsShell) and out["extra_state"]["ema"] is other
     # any part it cannot describe leaves every part to rank 0, as a model it cannot describe does
     assert ModelWeights.of_parts({("model",): parts[("model",)], EMA: {"s": torch.ones(2).to_sparse()}}) is None
+
+
+def test_a_record_is_alike_only_if_every_tensor_on_it_is():
+    """A storage that one entry may hold differently on each rank is rank 0's to write, under
+    whatever other names (views, tied tensors, float32 copies that are the tensor itself)."""
+    parts = ema_parts()
+    w = ModelWeights.of_parts(parts, alike=lambda path, name, t: (path, name) != (EMA_FP32, "big.weight"))
+    unlike = [i for i, r in enumerate(w.records) if not r.alike]
+    assert len(unlike) == 1
+    on_it = {(w.paths[e.part], e.name) for e in w.entries if e.record == unlike[0]}
+    assert on_it == {(EMA, "big.weight"), (EMA, "big.t"), (EMA, "big.row"), (EMA_FP32, "big.weight"),
+                     (EMA_FP32, "big.t"), (EMA_FP32, "big.row")}
