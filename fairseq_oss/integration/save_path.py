@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from fairseq import checkpoint_utils
@@ -153,7 +153,30 @@ def model_weights_of(trainer) -> Optional[ModelWeights]:
     them itself (DTensors: their state-dict hooks gather, in ``Trainer.state_dict()``)."""
     if has_dtensor(trainer.get_model()):
         return None
-    return ModelWeights.of_parts(weight_parts(trainer))
+    return ModelWeights.of_parts(weight_parts(trainer), alike=parameters_of(trainer))
+
+
+def parameters_of(trainer) -> Callable[[Tuple[str, ...], str, torch.Tensor], bool]:
+    """Whether an entry of :func:`weight_parts` is a parameter's (of the model or of its
+    EMA, or an EMA parameter's float32 copy): those every rank holds alike, the same update
+    of the same values. Buffers need not be: BatchNorm's running statistics come from each
+    rank's own batches (``--broadcast-buffers``, off by default, copies rank 0's at each
+    forward, which then updates them again), and fairseq saves rank 0's."""
+    modules = [trainer.model]
+    if trainer.cfg.ema.store_ema:
+        modules.append(trainer.ema.get_model())
+    storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+    ema_params = set()
+    if trainer.cfg.ema.store_ema:
+        ema_params = {k for k, t in trainer.ema.get_model().state_dict().items()
+                      if torch.is_tensor(t) and t.untyped_storage().data_ptr() in storages}
+
+    def alike(path, name, t):
+        if path == ("extra_state", "ema_fp32_params"):  # copies keyed by the EMA's names
+            return name in ema_params
+        return t.untyped_storage().data_ptr() in storages
+
+    return alike
 
 
 def weight_parts(trainer) -> Dict[Tuple[str, ...], dict]:

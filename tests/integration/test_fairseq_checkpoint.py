@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from checks import assert_close_training_state, assert_same_training_state, load
-from launch import SUM_ORDER_RTOL, COMMON, ENV, FIRST, RESUMED, WITHOUT_HOOK, attempt, ckpt, digest, free_port, train, train_cmd
+from launch import (ASYNC, SUM_ORDER_RTOL, COMMON, ENV, FIRST, RESUMED, ROOT, WITHOUT_HOOK, attempt, ckpt, digest,
+                    free_port, train, train_cmd)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,37 @@ def test_every_rank_writes_its_part_of_the_state_and_the_weights(saved):
     log = open(os.path.join(saved["oss_adam"], "train-fairseq-2.log")).read()
     assert "oss_adam: the checkpoint save took" in log
     assert "rank 0 writes the weights" not in log and "written again by rank 0" not in log
+
+
+RANK_BUFFERS = ["--user-dir", os.path.join(ROOT, "tests", "plugins", "rank_buffers"), "--arch", "lm_rank_buffers"]
+EMA = ["--store-ema", "--ema-fp32", "--ema-decay", "0.9", "--ema-start-update", "0"]
+
+
+@pytest.mark.parametrize("world_size,precision", [(2, ["--fp16"]), (3, [])])
+def test_buffers_that_differ_between_ranks_are_saved_from_rank_0(data, tmp_path, world_size, precision):
+    """A buffer that each rank sets from its own state (tests/plugins/rank_buffers: its rank's
+    number plus one, as BatchNorm's running statistics come from each rank's own batches) is
+    saved with rank 0's values, as fairseq saves it, by oss_adam too: in the model, in the
+    EMA model and in its float32 copies (--ema-fp32; with --fp16 their own storages, else
+    the EMA's own tensors), in an asynchronous save. The parameters are still written by
+    every rank. At 2 ranks the whole checkpoint is adam's, bit for bit; at 3, the buffers
+    are (they depend on no parameter)."""
+    dirs = {}
+    for opt, more in (("adam", []), ("oss_adam", ASYNC)):
+        dirs[opt] = str(tmp_path / opt)
+        log = train(data, dirs[opt], opt, world_size, FIRST, extra=RANK_BUFFERS + EMA + precision + more)
+    assert "written again by rank 0" not in log and "rank 0 writes the weights" not in log
+    got, want = (load(ckpt(dirs[opt])) for opt in ("oss_adam", "adam"))
+    name = "stats.rank"
+    for where in (("model",), ("extra_state", "ema"), ("extra_state", "ema_fp32_params")):
+        g, w = got, want
+        for key in where:
+            g, w = g[key], w[key]
+        assert torch.equal(g[name], w[name]), where
+        # rank 0's ones (the EMA, a deep copy of the model after the first step, averages ones)
+        assert torch.equal(w[name], torch.ones_like(w[name])), where
+    if world_size == 2:
+        assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
 
 
 def resumed(data, src, tmp, optimizer, world_size, name):
