@@ -127,6 +127,33 @@ def test_ema_and_validation_right_after_steps_equal_adams(data, tmp_path):
             assert records and all(r.offset < pickle_at for r in records.values()), part
 
 
+CRITERION_PARAMS = ["--user-dir", os.path.join(ROOT, "tests", "plugins", "criterion_params"),
+                    "--criterion", "scaled_cross_entropy"]
+
+
+@pytest.mark.parametrize("update_freq", ["2", "1"])
+def test_a_criterion_with_parameters_trains_as_with_adam(data, tmp_path, update_freq):
+    """A criterion with parameters of its own (tests/plugins/criterion_params): fairseq wraps
+    it for data-parallel training beside the model, and oss_adam reduce-scatters its
+    gradients with the model's, once per update. At 2 ranks the checkpoint, the criterion's
+    entry included, is adam's bit for bit. With --update-freq 2 the reference is adam under
+    legacy_ddp: under the default pytorch_ddp, fairseq's own DDP of the criterion (outside
+    its no_sync) all-reduces the criterion's gradients after every micro-batch, which sums
+    them in another order (the last bits differ); so would oss_adam if fairseq's wrapper
+    were left around the criterion."""
+    dirs = {}
+    reference = ["--ddp-backend", "legacy_ddp"] if update_freq == "2" else []
+    for opt, more in (("adam", reference), ("oss_adam", [])):
+        dirs[opt] = str(tmp_path / opt)
+        log = train(data, dirs[opt], opt, 2, FIRST, extra=CRITERION_PARAMS + ["--update-freq", update_freq] + more)
+    assert "gradients reduce-scattered" in log
+    got, want = (load(ckpt(dirs[opt]))["criterion"] for opt in ("oss_adam", "adam"))
+    assert set(want) == {"scale", "bias"} and not torch.equal(want["scale"], torch.ones(1))  # it trained
+    assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
 READS_PLUGIN = os.path.join(ROOT, "tests", "plugins", "reads")
 
 
