@@ -42,7 +42,7 @@ import time
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-from fairseq import checkpoint_utils
+from fairseq import checkpoint_utils, utils
 from fairseq.trainer import Trainer
 
 from fairseq_oss import exit_handlers
@@ -157,12 +157,12 @@ def model_weights_of(trainer) -> Optional[ModelWeights]:
 
 
 def parameters_of(trainer) -> Callable[[Tuple[str, ...], str, torch.Tensor], bool]:
-    """Whether an entry of :func:`weight_parts` is a parameter's (of the model or of its
-    EMA, or an EMA parameter's float32 copy): those every rank holds alike, the same update
-    of the same values. Buffers need not be: BatchNorm's running statistics come from each
+    """Whether an entry of :func:`weight_parts` is a parameter's (of the model, the criterion
+    or the EMA model, or an EMA parameter's float32 copy): those every rank holds alike, the
+    same update of the same values. Buffers need not be: BatchNorm's running statistics come from each
     rank's own batches (``--broadcast-buffers``, off by default, copies rank 0's at each
     forward, which then updates them again), and fairseq saves rank 0's."""
-    modules = [trainer.model]
+    modules = [trainer.model, trainer.criterion]
     if trainer.cfg.ema.store_ema:
         modules.append(trainer.ema.get_model())
     storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
@@ -180,11 +180,14 @@ def parameters_of(trainer) -> Callable[[Tuple[str, ...], str, torch.Tensor], boo
 
 
 def weight_parts(trainer) -> Dict[Tuple[str, ...], dict]:
-    """What fairseq's ``Trainer.state_dict()`` saves of the weights that every rank holds
-    alike, by path in the checkpoint: the model's, and with ``--store-ema`` the EMA model's
-    and (``--ema-fp32``) its float32 copies, which fairseq's EMA computes on every rank from
-    the same parameters. The same tensors, in the same order, as ``state_dict()`` puts there."""
+    """What fairseq's ``Trainer.state_dict()`` saves of the weights, by path in the
+    checkpoint: the model's, a criterion's with parameters, and with ``--store-ema`` the EMA
+    model's and (``--ema-fp32``) its float32 copies, which fairseq's EMA computes on every
+    rank from the same parameters. The same tensors, in the same order, as ``state_dict()``
+    puts there; which of them every rank holds alike is :func:`parameters_of`'s to say."""
     parts = {MODEL: trainer.model.state_dict()}
+    if utils.has_parameters(trainer.criterion):
+        parts[("criterion",)] = trainer.criterion.state_dict()
     ema = trainer.cfg.ema
     if ema.store_ema:
         parts[("extra_state", "ema")] = trainer.ema.get_model().state_dict()

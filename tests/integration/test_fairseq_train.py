@@ -135,7 +135,8 @@ CRITERION_PARAMS = ["--user-dir", os.path.join(ROOT, "tests", "plugins", "criter
 def test_a_criterion_with_parameters_trains_as_with_adam(data, tmp_path, update_freq):
     """A criterion with parameters of its own (tests/plugins/criterion_params): fairseq wraps
     it for data-parallel training beside the model, and oss_adam reduce-scatters its
-    gradients with the model's, once per update. At 2 ranks the checkpoint, the criterion's
+    gradients with the model's, once per update, and its weights are written into the
+    checkpoint by every rank as the model's are. At 2 ranks the checkpoint, the criterion's
     entry included, is adam's bit for bit. With --update-freq 2 the reference is adam under
     legacy_ddp: under the default pytorch_ddp, fairseq's own DDP of the criterion (outside
     its no_sync) all-reduces the criterion's gradients after every micro-batch, which sums
@@ -152,6 +153,10 @@ def test_a_criterion_with_parameters_trains_as_with_adam(data, tmp_path, update_
     assert_same_training_state(ckpt(dirs["oss_adam"]), ckpt(dirs["adam"]))
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+    # written by every rank as the model's weights are: records that precede the pickle
+    index = CheckpointIndex(ckpt(dirs["oss_adam"]))
+    records = index.records_of(index.obj["criterion"])
+    assert records and all(r.offset < index.reader.record_offset("data.pkl") for r in records.values())
 
 
 READS_PLUGIN = os.path.join(ROOT, "tests", "plugins", "reads")
