@@ -10,8 +10,9 @@ over. A save, in fairseq's order:
    :class:`~fairseq_oss.checkpoint.format.CheckpointWriter` in the save directory (if it
    cannot, every rank raises its error); then
    :func:`~fairseq_oss.checkpoint.save_optimizer_state` writes the Adam state and the
-   model's weights (and the EMA model's, ``--store-ema``: :func:`weight_parts`) into it:
-   every rank its own part if every rank sees the file, else
+   weights (the model's, a criterion's, the EMA model's: :func:`weight_parts`) into it:
+   every rank its own part if every rank sees the file (of the parameters'; the buffers,
+   which ranks may hold differently, all by rank 0: :func:`parameters_of`), else
    (or with ``--oss-no-shared-fs``) streamed to rank 0 one bucket at a time. Same bytes
    either way. The optimizer's next ``state_dict()`` is the placeholders of what was
    written (:func:`fairseq_oss.integration.optimizer.prepare_state_dict`).
@@ -159,9 +160,9 @@ def model_weights_of(trainer) -> Optional[ModelWeights]:
 def parameters_of(trainer) -> Callable[[Tuple[str, ...], str, torch.Tensor], bool]:
     """Whether an entry of :func:`weight_parts` is a parameter's (of the model, the criterion
     or the EMA model, or an EMA parameter's float32 copy): those every rank holds alike, the
-    same update of the same values. Buffers need not be: BatchNorm's running statistics come from each
-    rank's own batches (``--broadcast-buffers``, off by default, copies rank 0's at each
-    forward, which then updates them again), and fairseq saves rank 0's."""
+    same update of the same values. Buffers need not be: BatchNorm's running statistics
+    come from each rank's own batches (``--broadcast-buffers``, off by default, copies rank
+    0's at each forward, which then updates them again), and fairseq saves rank 0's."""
     modules = [trainer.model, trainer.criterion]
     if trainer.cfg.ema.store_ema:
         modules.append(trainer.ema.get_model())
