@@ -3,8 +3,8 @@
 Every data-parallel rank holds the same weights, so the ranks can share the writing of
 them as they share the Adam state's. :class:`ModelWeights` describes, the same on every
 rank, the records that the model's ``state_dict()`` becomes in the checkpoint, and those of
-any other state dict of weights that every rank holds alike (fairseq's EMA model, each at
-its path in the checkpoint: :meth:`ModelWeights.of_parts`):
+the other state dicts of weights that the checkpoint holds (a criterion's, fairseq's EMA
+model's), each at its path in the checkpoint (:meth:`ModelWeights.of_parts`):
 
 * one record per storage, as ``torch.save`` writes them (tensors that share a storage,
   such as tied embeddings, share one record), float16 and bfloat16 ones as float32, as
