@@ -18,6 +18,8 @@ def summarize(index: CheckpointIndex) -> dict:
     extra = obj.get("extra_state") if isinstance(obj.get("extra_state"), dict) else {}
     if isinstance(extra.get("ema"), dict):  # --store-ema
         out["ema"] = _ema_summary(index, extra)
+    if isinstance(obj.get("criterion"), dict) and any(True for _ in index.tensors(obj["criterion"])):
+        out["criterion"] = _tensors_summary(index, obj["criterion"])  # a criterion with parameters
     out["optimizer"] = _optimizer_summary(index, obj)
     history = (obj.get("optimizer_history") or [{}])[-1]
     cfg = obj.get("cfg") if isinstance(obj.get("cfg"), dict) else {}
@@ -126,6 +128,9 @@ def run(args) -> int:
                     header=("largest tensors", "shape", "dtype"))
     else:
         print("  model:       none")
+    if "criterion" in summary:
+        c = summary["criterion"]
+        print(f"  criterion:   {c['parameters']:,} values in {c['tensors']} tensors, {human_bytes(c['bytes'])}")
     if "ema" in summary:
         e = summary["ema"]
         dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in e.get("bytes_by_dtype", {}).items())

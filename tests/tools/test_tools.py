@@ -345,9 +345,10 @@ def test_every_command_and_argument_is_described():
 
 
 def test_inspect_and_reshard_plan_count_the_ema(tmp_path):
-    """--store-ema's EMA model is reported beside the model, and its --ema-fp32 copies add
-    only the storages that the EMA's own tensors do not hold (a float32 tensor's copy is the
-    tensor itself); every rank holds the EMA at resume, so reshard-plan counts it per rank."""
+    """--store-ema's EMA model (and a criterion's weights) are reported beside the model;
+    the EMA's --ema-fp32 copies add only the storages that the EMA's own tensors do not hold
+    (a float32 tensor's copy is the tensor itself); every rank holds the EMA at resume, so
+    reshard-plan counts it per rank."""
     import json
 
     embed, bias = torch.randn(100, 8), torch.randn(8)
@@ -358,19 +359,21 @@ def test_inspect_and_reshard_plan_count_the_ema(tmp_path):
     state = {i: {"step": 1, "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)} for i, n in enumerate((800, 8))}
     ckpt = {"model": model, "optimizer_history": [{"num_updates": 1, "optimizer_name": "FairseqAdam"}],
             "last_optimizer_state": {"state": state, "param_groups": [{"lr": 1.0, "params": [0, 1]}]},
-            "extra_state": {"ema": ema, "ema_fp32_params": copies}}
+            "extra_state": {"ema": ema, "ema_fp32_params": copies}, "criterion": {"scale": torch.ones(3)}}
     path, plain = str(tmp_path / "ema.pt"), str(tmp_path / "plain.pt")
     torch.save(ckpt, path)
-    torch.save({k: v for k, v in ckpt.items() if k != "extra_state"}, plain)
+    torch.save({k: v for k, v in ckpt.items() if k not in ("extra_state", "criterion")}, plain)
     rc, out, err = tool("inspect", path, "--json")
     assert rc == 0, err
     got = json.loads(out)["ema"]
     assert got["tensors"] == 3 and got["storages"] == 2 and got["parameters"] == 808
     assert got["bytes"] == 800 * 4 + 8 * 2 and got["fp32_copies"] == {"tensors": 3, "bytes": 8 * 4}
+    assert json.loads(out)["criterion"]["parameters"] == 3  # a criterion with parameters, beside them
     rc, text, _ = tool("inspect", path)
+    assert "criterion:   3 values in 1 tensors, 12 B" in text
     assert "ema:         808 values in 3 tensors, 3.1 KiB" in text and "float32 copies (--ema-fp32): 3 tensors, 32 B more" in text, text
     rc, out, _ = tool("inspect", plain, "--json")
-    assert rc == 0 and "ema" not in json.loads(out)
+    assert rc == 0 and "ema" not in json.loads(out) and "criterion" not in json.loads(out)
     from fairseq_oss.checkpoint.index import CheckpointIndex
     from fairseq_oss.tools.reshard_plan import plan
 
