@@ -148,34 +148,36 @@ def _open_writer(trainer, group, world_size):
     return writer
 
 
+# Where Trainer.state_dict() puts the weights besides the model's (model_weights.MODEL).
+CRITERION = ("criterion",)
+EMA, EMA_FP32 = ("extra_state", "ema"), ("extra_state", "ema_fp32_params")
+
+
 def model_weights_of(trainer) -> Optional[ModelWeights]:
     """The records of what ``Trainer.state_dict()`` saves as weights (:func:`weight_parts`),
     on every rank, so that every rank writes 1/N of them; None where rank 0 must pickle
     them itself (DTensors: their state-dict hooks gather, in ``Trainer.state_dict()``)."""
     if has_dtensor(trainer.get_model()):
         return None
-    return ModelWeights.of_parts(weight_parts(trainer), alike=parameters_of(trainer))
+    parts = weight_parts(trainer)
+    return ModelWeights.of_parts(parts, alike=parameters_of(trainer, parts))
 
 
-def parameters_of(trainer) -> Callable[[Tuple[str, ...], str, torch.Tensor], bool]:
-    """Whether an entry of :func:`weight_parts` is a parameter's (of the model, the criterion
-    or the EMA model, or an EMA parameter's float32 copy): those every rank holds alike, the
-    same update of the same values. Buffers need not be: BatchNorm's running statistics
-    come from each rank's own batches (``--broadcast-buffers``, off by default, copies rank
-    0's at each forward, which then updates them again), and fairseq saves rank 0's."""
-    modules = [trainer.model, trainer.criterion]
-    if trainer.cfg.ema.store_ema:
-        modules.append(trainer.ema.get_model())
+def parameters_of(trainer, parts) -> Callable[[Tuple[str, ...], str, torch.Tensor], bool]:
+    """Whether an entry of ``parts`` (:func:`weight_parts`) is a parameter's (of the model,
+    the criterion or the EMA model, or an EMA parameter's float32 copy): those every rank
+    holds alike, the same update of the same values. Buffers need not be: BatchNorm's
+    running statistics come from each rank's own batches (``--broadcast-buffers``, off by
+    default, copies rank 0's at each forward, which then updates them again), and fairseq
+    saves rank 0's."""
+    modules = [trainer.model, trainer.criterion] + ([trainer.ema.get_model()] if EMA in parts else [])
     storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
-    ema_params = set()
-    if trainer.cfg.ema.store_ema:
-        ema_params = {k for k, t in trainer.ema.get_model().state_dict().items()
-                      if torch.is_tensor(t) and t.untyped_storage().data_ptr() in storages}
+    ema = parts.get(EMA, {})
 
     def alike(path, name, t):
-        if path == ("extra_state", "ema_fp32_params"):  # copies keyed by the EMA's names
-            return name in ema_params
-        return t.untyped_storage().data_ptr() in storages
+        if path == EMA_FP32:  # a copy, keyed by the EMA's name: alike where the EMA's own tensor is
+            t = ema.get(name)
+        return torch.is_tensor(t) and t.untyped_storage().data_ptr() in storages
 
     return alike
 
@@ -188,12 +190,12 @@ def weight_parts(trainer) -> Dict[Tuple[str, ...], dict]:
     puts there; which of them every rank holds alike is :func:`parameters_of`'s to say."""
     parts = {MODEL: trainer.model.state_dict()}
     if utils.has_parameters(trainer.criterion):
-        parts[("criterion",)] = trainer.criterion.state_dict()
+        parts[CRITERION] = trainer.criterion.state_dict()
     ema = trainer.cfg.ema
     if ema.store_ema:
-        parts[("extra_state", "ema")] = trainer.ema.get_model().state_dict()
+        parts[EMA] = trainer.ema.get_model().state_dict()
         if ema.ema_fp32:
-            parts[("extra_state", "ema_fp32_params")] = trainer.ema.fp32_params
+            parts[EMA_FP32] = trainer.ema.fp32_params
     return parts
 
 

@@ -133,9 +133,9 @@ def run(args) -> int:
         print(f"  criterion:   {c['parameters']:,} values in {c['tensors']} tensors, {human_bytes(c['bytes'])}")
     if "ema" in summary:
         e = summary["ema"]
-        dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in e.get("bytes_by_dtype", {}).items())
-        line = (f"  ema:         {e.get('parameters', 0):,} values in {e['tensors']} tensors, "
-                f"{human_bytes(e.get('bytes', 0))}" + (f" ({dtypes})" if dtypes else ""))
+        dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in e["bytes_by_dtype"].items())
+        line = (f"  ema:         {e['parameters']:,} values in {e['tensors']} tensors, "
+                f"{human_bytes(e['bytes'])}" + (f" ({dtypes})" if dtypes else ""))
         if "fp32_copies" in e:
             c = e["fp32_copies"]
             line += f"; float32 copies (--ema-fp32): {c['tensors']} tensors, {human_bytes(c['bytes'])} more"
